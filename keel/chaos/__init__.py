@@ -1,0 +1,1 @@
+"""Fault injectors (plain hooks the trainer calls) and the drill runner."""

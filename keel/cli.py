@@ -1,0 +1,36 @@
+"""The `keel` command: one entry point, a subcommand per task."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: keel COMMAND [ARGS]
+
+commands:
+  train          train a model with pp x dp x tp processes (keel train --help)
+  metrics        print a run's step metrics (keel metrics RUN_DIR [--csv])
+  prepare-data   make a uint16 token file from text files (keel prepare-data OUT.bin FILES...)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    # Imports stay inside the branches so `keel metrics` does not pay for importing torch.
+    if command == "train":
+        from keel.trainer.launch import main as run
+    elif command == "metrics":
+        from keel.monitor.metrics_cli import main as run
+    elif command == "prepare-data":
+        from keel.trainer.data import prepare_data_main as run
+    else:
+        print(f"keel: error: unknown command '{command}'\n{USAGE}", end="", file=sys.stderr)
+        return 2
+    return run(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""The run store: a run's step metrics, per-rank metrics, events and metadata in RUN_DIR/run.sqlite.
+
+The trainer writes it through `RunStore`, once per step on the hot path; the dashboard, drills, tests and
+`keel metrics` read it with `read_steps`, `read_rank_steps`, `read_events` and `read_meta`, also while
+a trainer is still writing. The database is in WAL mode, so readers never block the writer and every
+committed step survives the writer being killed.
+
+Steps can repeat: a rollback or a restart runs the same step numbers again under a higher `attempt`.
+All attempts are kept; `read_steps(run_dir, effective=True)` gives the trajectory that counts.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time as _time
+from collections.abc import Iterable, Mapping
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+STORE_FILE = "run.sqlite"
+
+# Column -> Python type, in table order. The DDL, the binding and the reader's dtypes all come from here.
+_STEP_TYPES: dict[str, type] = {
+    "step": int,
+    "attempt": int,
+    "time": float,
+    "loss": float,
+    "grad_norm": float,
+    "lr": float,
+    "tokens": int,
+    "tokens_per_s": float,
+    "mfu": float,
+    "comm_share": float,  # NULL on steps where communication was not measured
+    "step_time_s": float,
+    "data_time_s": float,
+    "mem_peak_bytes": int,
+    "skipped": int,
+}
+_RANK_TYPES: dict[str, type] = {
+    "step": int,
+    "attempt": int,
+    "rank": int,
+    "step_time_s": float,
+    "comm_time_s": float,  # NULL on steps where communication was not measured
+    "data_time_s": float,
+    "mem_peak_bytes": int,
+}
+_STEP_KEY = ("step", "attempt")
+_RANK_KEY = ("step", "attempt", "rank")
+
+STEP_COLUMNS: tuple[str, ...] = tuple(_STEP_TYPES)
+RANK_COLUMNS: tuple[str, ...] = tuple(_RANK_TYPES)
+
+
+def _table_ddl(table: str, types: dict[str, type], key: tuple[str, ...]) -> str:
+    sql_type = {int: "INTEGER", float: "REAL"}
+    # SQLite lets primary key columns hold NULL unless told otherwise.
+    columns = [f"{c} {sql_type[t]}{' NOT NULL' if c in key else ''}" for c, t in types.items()]
+    return f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(columns)}, PRIMARY KEY ({', '.join(key)}))"
+
+
+_SCHEMA = ";\n".join(
+    [
+        _table_ddl("steps", _STEP_TYPES, _STEP_KEY),
+        _table_ddl("rank_steps", _RANK_TYPES, _RANK_KEY),
+        "CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL, step INTEGER,"
+        " attempt INTEGER, rank INTEGER, kind TEXT, severity TEXT, message TEXT, data TEXT)",
+        "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)",
+    ]
+)
+
+
+def _insert_sql(table: str, columns: Iterable[str]) -> str:
+    columns = list(columns)
+    return f"INSERT OR REPLACE INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
+
+
+_INSERT_STEP = _insert_sql("steps", STEP_COLUMNS)
+_INSERT_RANK = _insert_sql("rank_steps", RANK_COLUMNS)
+_EVENT_COLUMNS = ("time", "step", "attempt", "rank", "kind", "severity", "message", "data")
+_INSERT_EVENT = _insert_sql("events", _EVENT_COLUMNS)
+_INSERT_META = _insert_sql("meta", ("key", "value"))
+
+# A writer waits this long for another writer (another rank writing an event) before giving up.
+_BUSY_TIMEOUT_S = 10.0
+
+
+def _row_values(table: str, types: dict[str, type], key: tuple[str, ...], row: Mapping[str, Any]) -> tuple:
+    unknown = row.keys() - types.keys()
+    if unknown:
+        raise ValueError(f"unknown {table} column(s) {sorted(unknown)}; the columns are {', '.join(types)}")
+    missing = [c for c in key if row.get(c) is None]
+    if missing:
+        raise ValueError(f"{table} row is missing {', '.join(missing)}")
+    # int()/float() accept numpy and torch scalars, which sqlite3 cannot bind, and turn bools into 0/1.
+    return tuple(None if (v := row.get(c)) is None else t(v) for c, t in types.items())
+
+
+def _json_default(value: Any) -> Any:
+    # numpy and torch scalars carry .item(); anything else is kept readable rather than failing the write.
+    return value.item() if hasattr(value, "item") else str(value)
+
+
+class RunStore:
+    """Writer for one run's store. Create it once per process and reuse it; safe to share between threads."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / STORE_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Our lock, not sqlite's, keeps one thread's transaction from taking in another thread's rows.
+        self._conn = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, check_same_thread=False)
+        self._lock = threading.Lock()
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        # In WAL mode NORMAL skips the fsync per commit; a committed step still survives the process being
+        # killed, and only an OS crash or power loss can take back the last few.
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._conn.executescript(_SCHEMA)
+
+    def write_step(self, step: Mapping[str, Any], rank_rows: Iterable[Mapping[str, Any]] = ()) -> None:
+        """Write one step's row and its per-rank rows in one committed transaction.
+
+        Keys are column names from STEP_COLUMNS / RANK_COLUMNS; `step` and `attempt` are required, a
+        missing optional key is stored as NULL. Rank rows take `step` and `attempt` from the step row.
+        Writing the same (step, attempt) again replaces it.
+        """
+        step_values = _row_values("steps", _STEP_TYPES, _STEP_KEY, step)
+        key = {"step": step_values[0], "attempt": step_values[1]}
+        rank_values = []
+        for row in rank_rows:
+            if any(c in row and row[c] != v for c, v in key.items()):
+                raise ValueError(f"rank row {dict(row)} does not belong to step {key}")
+            rank_values.append(_row_values("rank_steps", _RANK_TYPES, _RANK_KEY, {**row, **key}))
+        with self._lock, self._conn:
+            self._conn.execute(_INSERT_STEP, step_values)
+            self._conn.executemany(_INSERT_RANK, rank_values)
+
+    def write_event(
+        self,
+        kind: str,
+        message: str,
+        *,
+        severity: str = "info",
+        step: int | None = None,
+        attempt: int | None = None,
+        rank: int | None = None,
+        data: Mapping[str, Any] | None = None,
+        time: float | None = None,
+    ) -> None:
+        """Record an event (alert, rollback, checkpoint_saved, hang, ...). `time` defaults to now."""
+        values = (
+            _time.time() if time is None else time,
+            step,
+            attempt,
+            rank,
+            kind,
+            severity,
+            message,
+            json.dumps(dict(data or {}), default=_json_default),
+        )
+        with self._lock, self._conn:
+            self._conn.execute(_INSERT_EVENT, values)
+
+    def set_meta(self, key: str, value: Any) -> None:
+        """Store one piece of run metadata (run_id, resolved config, MFU basis, ...) as JSON."""
+        encoded = json.dumps(value, default=_json_default)
+        with self._lock, self._conn:
+            self._conn.execute(_INSERT_META, (key, encoded))
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> RunStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _connect_read_only(run_dir: str | Path) -> sqlite3.Connection:
+    path = Path(run_dir) / STORE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no run store at {path}: pass a run directory written by `keel train`")
+    # mode=ro: a reader can neither create a store nor write to the one a trainer is writing.
+    return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=_BUSY_TIMEOUT_S)
+
+
+def _query(run_dir: str | Path, sql: str) -> pd.DataFrame:
+    # Plain sqlite3 rather than pd.read_sql_query, so that errors stay sqlite3.Error for callers.
+    with closing(_connect_read_only(run_dir)) as conn:
+        cursor = conn.execute(sql)
+        return pd.DataFrame(cursor.fetchall(), columns=[d[0] for d in cursor.description])
+
+
+def _read_table(run_dir: str | Path, sql: str, types: dict[str, type], key: tuple[str, ...]) -> pd.DataFrame:
+    df = _query(run_dir, sql)
+    # Fixed dtypes, also for an empty table: key columns are never NULL, other integers may be (pandas Int64).
+    # SQLite stores a NaN as NULL, so a non-finite float reads back as NaN either way.
+    dtypes = {c: "int64" if c in key else "Int64" if t is int else "float64" for c, t in types.items()}
+    return df.astype(dtypes)
+
+
+# A rollback or restart that runs step s again under a later attempt abandons every earlier attempt's
+# rows from step s on, including steps the new attempt has not reached yet. So a row counts when no
+# later attempt started at or before its step.
+_EFFECTIVE_STEPS = """
+WITH starts AS (SELECT attempt, MIN(step) AS first_step FROM steps GROUP BY attempt),
+     cutoffs AS (SELECT attempt, MIN(first_step) OVER (ORDER BY attempt DESC
+                     ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS next_start FROM starts)
+SELECT steps.* FROM steps JOIN cutoffs USING (attempt)
+WHERE next_start IS NULL OR step < next_start
+ORDER BY step, attempt
+"""
+
+
+def read_steps(run_dir: str | Path, *, effective: bool = False) -> pd.DataFrame:
+    """Step metrics ordered by (step, attempt), one column per STEP_COLUMNS.
+
+    effective=True keeps the trajectory that counts: the last attempt of each step, without the rows
+    an attempt left behind when a later one rolled back or restarted before them.
+    """
+    sql = _EFFECTIVE_STEPS if effective else "SELECT * FROM steps ORDER BY step, attempt"
+    return _read_table(run_dir, sql, _STEP_TYPES, _STEP_KEY)
+
+
+def read_rank_steps(run_dir: str | Path) -> pd.DataFrame:
+    """Per-rank step metrics ordered by (step, attempt, rank), one column per RANK_COLUMNS."""
+    sql = "SELECT * FROM rank_steps ORDER BY step, attempt, rank"
+    return _read_table(run_dir, sql, _RANK_TYPES, _RANK_KEY)
+
+
+def read_events(run_dir: str | Path) -> pd.DataFrame:
+    """Events in the order they were written; the `data` column holds dicts."""
+    df = _query(run_dir, "SELECT * FROM events ORDER BY id")
+    df = df.astype({"id": "int64", "time": "float64", "step": "Int64", "attempt": "Int64", "rank": "Int64"})
+    df["data"] = df["data"].map(json.loads)
+    return df
+
+
+def read_meta(run_dir: str | Path) -> dict[str, Any]:
+    """Run metadata as a dict of decoded values."""
+    with closing(_connect_read_only(run_dir)) as conn:
+        return {key: json.loads(value) for key, value in conn.execute("SELECT key, value FROM meta")}

@@ -1,0 +1,293 @@
+"""Job configuration: dataclasses, TOML presets, dotted command-line overrides, and validation.
+
+Everything a worker needs is in one `JobConfig`. It is loaded and validated in the launcher, before
+any process starts, so that bad input ends in one line naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """Bad user input. The message is one line: the field, what is wrong, and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    # A named shape from keel.trainer.model.MODEL_PRESETS; the fields below override it when set.
+    preset: str = "tiny"
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+
+
+@dataclass
+class DataConfig:
+    # "builtin" reads the Python standard library's source as bytes; anything else is a path to a
+    # uint16 token file (nanoGPT's .bin format), made with `keel prepare-data`.
+    source: str = "builtin"
+    seq_len: int = 64
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 20
+    global_batch_size: int = 8  # sequences per optimizer step, over all dp ranks
+    microbatches: int = 1  # per dp rank; the pipeline schedule's n_microbatches when pp > 1
+    seed: int = 0
+    dtype: str = "auto"  # auto: bf16 mixed precision on CUDA, fp32 on CPU
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B
+    pp_virtual_stages: int = 1  # v stages per pp rank; more than 1 only with Interleaved1F1B
+    dp_mode: str = "zero3"  # zero3 | zero2 | replicate
+
+
+@dataclass
+class MetricsConfig:
+    log_every: int = 1  # console progress line
+    comm_sample_every: int = 10  # profile one step in this many to measure comm_share
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = ""  # default: runs/<run_id>
+    run_id: str = ""  # default: a timestamp
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.pp * self.parallel.dp * self.parallel.tp
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+DP_MODES = ("zero3", "zero2", "replicate")
+DTYPES = ("auto", "fp32", "bf16")
+
+
+def preset_names() -> list[str]:
+    folder = resources.files("keel.trainer") / "presets"
+    return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def _read_toml(source: str) -> tuple[dict, str]:
+    """Reads a config file, or a preset shipped with Keel when `source` is a preset name."""
+    path = Path(source)
+    if path.suffix == ".toml" or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"--config {source}: file not found; pass a TOML file or one of the presets {preset_names()}")
+        text, origin = path.read_text(), str(path)
+    elif source in preset_names():
+        text = (resources.files("keel.trainer") / "presets" / f"{source}.toml").read_text()
+        origin = f"preset {source}"
+    else:
+        raise ConfigError(f"--config {source}: no such file or preset; presets are {preset_names()}")
+    try:
+        return tomllib.loads(text), origin
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {source}: invalid TOML ({e}); fix the file") from None
+
+
+def _coerce(key: str, value: Any, annotation: str) -> Any:
+    """Converts a TOML value or a command-line string to the field's type."""
+    kind = annotation.replace(" | None", "")
+    if value is None:
+        return None
+    try:
+        if kind == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if kind == "float":
+            return float(value)
+        if kind == "bool":
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError
+                return value.lower() in ("true", "1")
+            return bool(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}={value!r}: expected {kind}; fix the value") from None
+
+
+def _apply(cfg: JobConfig, section: str, key: str, value: Any) -> None:
+    sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    if section not in sections:
+        close = difflib.get_close_matches(section, sections, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"sections are {sorted(sections)}"
+        raise ConfigError(f"unknown config section '{section}': {hint}")
+    target = sections[section]
+    fields = {f.name: f for f in dataclasses.fields(target)}
+    if key not in fields:
+        close = difflib.get_close_matches(key, fields, n=1)
+        hint = f"did you mean '{section}.{close[0]}'?" if close else f"keys are {sorted(fields)}"
+        raise ConfigError(f"unknown config key '{section}.{key}': {hint}")
+    setattr(target, key, _coerce(f"{section}.{key}", value, str(fields[key].type)))
+
+
+def load_config(source: str | None = None, overrides: list[str] | dict[str, Any] = ()) -> JobConfig:
+    """Builds a JobConfig from a file or preset, then dotted overrides ("optim.lr=3e-4" or a dict)."""
+    cfg = JobConfig()
+    if source:
+        data, origin = _read_toml(source)
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{origin}: top-level key '{section}' must be a [section] table")
+            for key, value in values.items():
+                _apply(cfg, section, key, value)
+    items = overrides.items() if isinstance(overrides, dict) else (_split_override(o) for o in overrides)
+    for dotted, value in items:
+        section, _, key = dotted.partition(".")
+        if not key:
+            raise ConfigError(f"override '{dotted}': use section.key=value, for example optim.lr=3e-4")
+        _apply(cfg, section, key, value)
+    return cfg
+
+
+def _split_override(text: str) -> tuple[str, str]:
+    dotted, sep, value = text.removeprefix("--").partition("=")
+    if not sep:
+        raise ConfigError(f"override '{text}': use --section.key=value, for example --optim.lr=3e-4")
+    return dotted, value
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate(cfg: JobConfig, world_size: int | None = None) -> None:
+    """Raises ConfigError for the first problem found. Needs no process group and no data."""
+    from keel.trainer.model import MODEL_PRESETS, model_args
+
+    par, tr, m = cfg.parallel, cfg.training, cfg.model
+    for name in ("pp", "dp", "tp", "pp_virtual_stages"):
+        if getattr(par, name) < 1:
+            raise ConfigError(f"parallel.{name}={getattr(par, name)}: must be at least 1")
+    if world_size is not None and world_size != cfg.world_size:
+        raise ConfigError(
+            f"parallel: pp*dp*tp = {par.pp}*{par.dp}*{par.tp} = {cfg.world_size} but {world_size} processes were "
+            f"started; set --pp/--dp/--tp so their product is {world_size}, or start {cfg.world_size} processes"
+        )
+    if par.pp_schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule={par.pp_schedule!r}: choose one of {list(PIPELINE_SCHEDULES)}")
+    if par.dp_mode not in DP_MODES:
+        raise ConfigError(f"parallel.dp_mode={par.dp_mode!r}: choose one of {list(DP_MODES)}")
+    if tr.dtype not in DTYPES:
+        raise ConfigError(f"training.dtype={tr.dtype!r}: choose one of {list(DTYPES)}")
+    if par.pp_virtual_stages > 1 and par.pp_schedule != "Interleaved1F1B":
+        raise ConfigError(
+            f"parallel.pp_virtual_stages={par.pp_virtual_stages}: virtual stages need "
+            f"parallel.pp_schedule=Interleaved1F1B, or set pp_virtual_stages=1"
+        )
+    if m.preset not in MODEL_PRESETS:
+        raise ConfigError(f"model.preset={m.preset!r}: choose one of {sorted(MODEL_PRESETS)}")
+    args = model_args(cfg)
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"model.{name}={getattr(args, name)}: must be at least 1")
+    if args.dim % args.n_heads:
+        raise ConfigError(f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}; choose n_heads from {_divisors(args.dim)}")
+    if args.n_heads % args.n_kv_heads:
+        raise ConfigError(f"model.n_heads={args.n_heads} is not divisible by model.n_kv_heads={args.n_kv_heads}; choose n_kv_heads from {_divisors(args.n_heads)}")
+    stages = par.pp * par.pp_virtual_stages
+    if args.n_layers % stages:
+        raise ConfigError(
+            f"model.n_layers={args.n_layers} does not split over pp*pp_virtual_stages={par.pp}*{par.pp_virtual_stages}={stages} "
+            f"pipeline stages; choose pp*pp_virtual_stages from {_divisors(args.n_layers)}"
+        )
+    for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), ("dim", args.dim), ("ffn_dim", args.ffn_dim), ("vocab_size", args.vocab_size)):
+        if value % par.tp:
+            raise ConfigError(f"parallel.tp={par.tp}: model.{name}={value} is not divisible by tp; choose tp from {_divisors(value)}")
+    if tr.steps < 1:
+        raise ConfigError(f"training.steps={tr.steps}: must be at least 1")
+    if tr.microbatches < 1:
+        raise ConfigError(f"training.microbatches={tr.microbatches}: must be at least 1")
+    if par.pp > 1 and tr.microbatches < stages:
+        raise ConfigError(
+            f"training.microbatches={tr.microbatches} is fewer than the {stages} pipeline stages; "
+            f"set --training.microbatches={stages} or more"
+        )
+    if tr.global_batch_size % (par.dp * tr.microbatches):
+        raise ConfigError(
+            f"training.global_batch_size={tr.global_batch_size} does not divide into dp*microbatches="
+            f"{par.dp}*{tr.microbatches}={par.dp * tr.microbatches}; use a multiple of {par.dp * tr.microbatches}"
+        )
+    if cfg.data.seq_len < 1:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len}: must be at least 1")
+    if cfg.optim.lr <= 0:
+        raise ConfigError(f"optim.lr={cfg.optim.lr}: must be positive")
+    if cfg.optim.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps}: must be 0 or more")
+    if cfg.metrics.comm_sample_every < 1 or cfg.metrics.log_every < 1:
+        raise ConfigError("metrics.comm_sample_every and metrics.log_every must be at least 1")
+
+
+def check_run_dir(run_dir: str) -> None:
+    """The output directory must be creatable and writable before workers start."""
+    path = Path(run_dir)
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"run.run_dir={run_dir}: '{probe}' is a file, not a directory; pass another --run-dir")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"run.run_dir={run_dir}: '{probe}' is not writable; pass a writable --run-dir")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def write_resolved_config(cfg: JobConfig, path: Path) -> None:
+    """Writes the config as TOML that load_config reads back to the same JobConfig."""
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None]
+        lines.append("")
+    path.write_text("\n".join(lines))

@@ -1,0 +1,129 @@
+"""`keel train`: parse flags and overrides, validate everything, then start torchrun with pp·dp·tp workers.
+
+All checks that can fail on user input run here, before any worker exists, so a mistake costs one
+line of output and not a stack trace from eight processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from keel.trainer.config import ConfigError, JobConfig, check_run_dir, load_config, validate
+from keel.trainer.data import open_tokens
+
+# Flags passed through to torchrun so that the same command spans machines.
+TORCHRUN_OPTIONS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "master_addr", "master_port", "max_restarts")
+# Short flags for everyday fields.
+SHORT_FLAGS = {"pp": "parallel.pp", "dp": "parallel.dp", "tp": "parallel.tp", "steps": "training.steps", "seed": "training.seed", "run_dir": "run.run_dir"}
+DEFAULT_CONFIG = "small"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="keel train",
+        description="Train with pp x dp x tp processes. Any config field can be set as --section.key=value.",
+        epilog="Example: keel train --config tiny --pp 2 --dp 2 --tp 2 --optim.lr=1e-3",
+    )
+    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"TOML file or preset name (default: {DEFAULT_CONFIG})")
+    for name in ("pp", "dp", "tp", "steps", "seed"):
+        p.add_argument(f"--{name}", type=int, help=f"shorthand for --{SHORT_FLAGS[name]}")
+    p.add_argument("--run-dir", dest="run_dir", help="output directory (default: runs/<run_id>)")
+    tr = p.add_argument_group("torchrun (multi-node)")
+    tr.add_argument("--nnodes", type=int, default=1)
+    tr.add_argument("--node-rank", dest="node_rank", type=int)
+    tr.add_argument("--rdzv-endpoint", dest="rdzv_endpoint")
+    tr.add_argument("--rdzv-backend", dest="rdzv_backend")
+    tr.add_argument("--rdzv-id", dest="rdzv_id")
+    tr.add_argument("--master-addr", dest="master_addr")
+    tr.add_argument("--master-port", dest="master_port", type=int)
+    tr.add_argument("--max-restarts", dest="max_restarts", type=int, default=0)
+    return p
+
+
+def _dotted_overrides(extra: list[str]) -> list[str]:
+    """Turns the leftover arguments into "section.key=value" strings; anything else is an error."""
+    out, i = [], 0
+    while i < len(extra):
+        arg = extra[i]
+        name = arg.removeprefix("--").partition("=")[0]
+        if not arg.startswith("--") or "." not in name:
+            raise ConfigError(f"unknown option '{arg}': see `keel train --help`; config fields are set as --section.key=value")
+        if "=" in arg:
+            out.append(arg[2:])
+            i += 1
+        elif i + 1 < len(extra):
+            out.append(f"{name}={extra[i + 1]}")
+            i += 2
+        else:
+            raise ConfigError(f"option '{arg}' needs a value: --{name}=VALUE")
+    return out
+
+
+def parse_train_args(argv: list[str], world_size: int | None = None) -> tuple[JobConfig, argparse.Namespace]:
+    """The validated JobConfig and the parsed flags. Raises ConfigError on any bad input."""
+    opts, extra = build_parser().parse_known_args(argv)
+    overrides = [f"{SHORT_FLAGS[k]}={getattr(opts, k)}" for k in SHORT_FLAGS if getattr(opts, k) is not None]
+    cfg = load_config(opts.config, _dotted_overrides(extra) + overrides)
+    validate(cfg, world_size)
+    return cfg, opts
+
+
+def resolve_run_dir(cfg: JobConfig) -> None:
+    if not cfg.run.run_id:
+        cfg.run.run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+    if not cfg.run.run_dir:
+        cfg.run.run_dir = str(Path("runs") / cfg.run.run_id)
+
+
+def torchrun_command(cfg: JobConfig, opts: argparse.Namespace, worker_argv: list[str]) -> list[str]:
+    if cfg.world_size % opts.nnodes:
+        raise ConfigError(f"--nnodes={opts.nnodes}: pp*dp*tp={cfg.world_size} processes do not split evenly over the nodes")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.world_size // opts.nnodes}", f"--nnodes={opts.nnodes}"]
+    if opts.nnodes == 1 and not opts.rdzv_endpoint and not opts.master_addr:
+        cmd.append("--standalone")  # a free local port, no fixed 29500 to collide on
+    for name in TORCHRUN_OPTIONS[2:]:
+        value = getattr(opts, name)
+        if value is not None:
+            cmd.append(f"--{name.replace('_', '-')}={value}")
+    if opts.node_rank is not None:
+        cmd.append(f"--node-rank={opts.node_rank}")
+    return cmd + ["-m", "keel.trainer.train", *worker_argv]
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg, opts = parse_train_args(argv)
+        resolve_run_dir(cfg)
+        check_run_dir(cfg.run.run_dir)
+        open_tokens(cfg.data.source, cfg.data.seq_len)  # a missing or empty data file fails here, not in 8 workers
+        worker_argv = _strip_torchrun_values(argv) + [f"--run.run_id={cfg.run.run_id}", f"--run.run_dir={cfg.run.run_dir}"]
+        cmd = torchrun_command(cfg, opts, worker_argv)
+    except ConfigError as e:
+        print(f"keel train: error: {e}", file=sys.stderr)
+        return 2
+    Path(cfg.run.run_dir).mkdir(parents=True, exist_ok=True)
+    print(f"keel train: {cfg.world_size} processes (pp{cfg.parallel.pp} dp{cfg.parallel.dp} tp{cfg.parallel.tp}), run dir {cfg.run.run_dir}", flush=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.call(cmd, env=env)
+
+
+def _strip_torchrun_values(argv: list[str]) -> list[str]:
+    """argv without the torchrun flags (and their values), which the workers must not see."""
+    flags = {f"--{name.replace('_', '-')}" for name in TORCHRUN_OPTIONS}
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.partition("=")[0]
+        if name in flags:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out

@@ -1,0 +1,181 @@
+"""A Llama-style decoder in one plain file: RMSNorm, rotary embeddings, SwiGLU MLP, causal attention.
+
+Layers live in a ModuleDict keyed by their global index, so a pipeline stage that keeps only some of
+them still names its parameters exactly as the full model does ("layers.5.attention.wq.weight").
+That keeps tensor-parallel plans, checkpoints and the per-parameter initialization identical across
+parallel layouts. A stage without the embedding or the head simply has them set to None.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int = 256  # byte-level tokens
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+# The large presets have the layer shapes of Llama 3.2 1B, Llama 2 7B, Llama 3 70B and Llama 3.1 405B,
+# with Keel's byte vocabulary. They are used for FLOPs, MFU and (later) the planner; tiny and small train on a CPU.
+MODEL_PRESETS: dict[str, ModelArgs] = {
+    "tiny": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=192),
+    "small": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=8, ffn_dim=768),
+    "1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, rope_theta=500000.0),
+    "7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008),
+    "70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, rope_theta=500000.0),
+    "405b": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248, rope_theta=500000.0),
+}
+
+
+def model_args(cfg) -> ModelArgs:
+    """The preset named in cfg.model with the fields the config sets explicitly."""
+    base = MODEL_PRESETS[cfg.model.preset]
+    fields = {k: getattr(cfg.model, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if "n_heads" in fields and "n_kv_heads" not in fields and base.n_kv_heads == base.n_heads:
+        fields["n_kv_heads"] = fields["n_heads"]
+    return ModelArgs(**{**base.__dict__, **fields, "max_seq_len": max(base.max_seq_len, cfg.data.seq_len)})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 even under bf16: the mean of squares loses too much precision otherwise.
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [batch, seq, heads, head_dim]; rotate each (even, odd) pair by its position's angle.
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 heads, not n_heads: under tensor parallelism each rank holds n_heads / tp of them.
+        q = apply_rotary(self.wq(x).view(b, t, -1, self.head_dim), cos, sin)
+        k = apply_rotary(self.wk(x).view(b, t, -1, self.head_dim), cos, sin)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """The whole model, or one pipeline stage of it (`layer_ids`, `first`, `last`)."""
+
+    def __init__(self, args: ModelArgs, layer_ids: range | None = None, first: bool = True, last: bool = True):
+        super().__init__()
+        self.args = args
+        layer_ids = range(args.n_layers) if layer_ids is None else layer_ids
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if first else None
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in layer_ids})
+        self.norm = RMSNorm(args.dim, args.norm_eps) if last else None
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if last else None
+        cos, sin = rotary_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids [batch, seq] on the first stage, hidden states [batch, seq, dim] after it."""
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        t = h.shape[1]
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.output(self.norm(h))
+        return h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Each parameter draws from its own generator, seeded by (seed, its name): the values do not
+        depend on which other parameters this process holds, so every parallel layout starts from the
+        same model as a single process."""
+        out_std = 0.02 / math.sqrt(2 * self.args.n_layers)  # GPT-2: residual projections scaled by depth
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            std = out_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            p.normal_(0.0, std, generator=g)
+
+
+def count_params(args: ModelArgs) -> tuple[int, int]:
+    """(all parameters, token-embedding parameters) of the full model, computed from its shape."""
+    d, kv = args.dim, args.n_kv_heads * args.head_dim
+    per_layer = d * d * 2 + d * kv * 2 + 3 * d * args.ffn_dim + 2 * d
+    embedding = args.vocab_size * d
+    return args.n_layers * per_layer + embedding + d + args.vocab_size * d, embedding
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token as DESIGN.md defines them: 6·N + 12·layers·dim·seq_len, where N is
+    every parameter but the token embedding (a lookup, not a matmul; the output head does count)."""
+    total, embedding = count_params(args)
+    return 6 * (total - embedding) + 12 * args.n_layers * args.dim * seq_len

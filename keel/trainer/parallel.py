@@ -1,0 +1,180 @@
+"""The parallel layout: a ("pp", "dp", "tp") DeviceMesh, tensor-parallel plans, FSDP2 over dp, and
+pipeline stages with their schedule. Everything here is PyTorch's own distributed machinery; this
+file only decides how the Llama blocks map onto it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from keel.trainer.config import JobConfig
+from keel.trainer.model import ModelArgs, Transformer
+
+
+@dataclass
+class Layout:
+    """Where this process sits in the mesh."""
+
+    mesh: DeviceMesh | None  # None on a single process
+    pp: int
+    dp: int
+    tp: int
+    pp_rank: int = 0
+    dp_rank: int = 0
+    tp_rank: int = 0
+
+    @property
+    def is_last_stage_rank(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def group(self, dim: str) -> dist.ProcessGroup | None:
+        return self.mesh[dim].get_group() if self.mesh is not None else None
+
+
+def build_layout(cfg: JobConfig, device: torch.device) -> Layout:
+    par = cfg.parallel
+    if cfg.world_size == 1:
+        return Layout(mesh=None, pp=1, dp=1, tp=1)
+    mesh = init_device_mesh(device.type, (par.pp, par.dp, par.tp), mesh_dim_names=("pp", "dp", "tp"))
+    return Layout(mesh, par.pp, par.dp, par.tp, mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank())
+
+
+def stage_ids(cfg: JobConfig, pp_rank: int) -> list[int]:
+    """Pipeline stages held by this pp rank: the loop assignment r, r+pp, r+2pp, ... that
+    ScheduleInterleaved1F1B expects."""
+    return [pp_rank + k * cfg.parallel.pp for k in range(cfg.parallel.pp_virtual_stages)]
+
+
+def build_stage_model(args: ModelArgs, cfg: JobConfig, stage: int, device: torch.device) -> Transformer:
+    n_stages = cfg.parallel.pp * cfg.parallel.pp_virtual_stages
+    per_stage = args.n_layers // n_stages
+    with torch.device(device):
+        model = Transformer(args, range(stage * per_stage, (stage + 1) * per_stage), first=stage == 0, last=stage == n_stages - 1)
+    model.init_weights(cfg.training.seed)
+    return model
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style: q/k/v and gate/up split by output column, attention out and down by input row,
+    so each block needs one all-reduce forward and one backward. The embedding is split by vocabulary
+    rows and the head by vocabulary columns, gathered back so the loss sees whole logits."""
+    plan = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(output_layouts=Replicate())
+    for i in model.layers:
+        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        plan[f"layers.{i}.attention.wo"] = RowwiseParallel()
+        plan[f"layers.{i}.feed_forward.w2"] = RowwiseParallel()
+    parallelize_module(model, tp_mesh, plan)
+
+
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, mode: str, bf16: bool) -> None:
+    """ZeRO-3 (reshard after forward) or ZeRO-2 (keep parameters gathered until backward), one FSDP
+    unit per block so the all-gather of block i+1 overlaps the compute of block i."""
+    reshard = mode == "zero3"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+
+
+def uses_fsdp(cfg: JobConfig) -> bool:
+    return cfg.parallel.dp > 1 and cfg.parallel.dp_mode != "replicate"
+
+
+def build_model_parts(cfg: JobConfig, args: ModelArgs, layout: Layout, device: torch.device, bf16: bool) -> list[Transformer]:
+    """The model chunks this process holds (one, or v under interleaving), sharded and ready."""
+    parts = []
+    for stage in stage_ids(cfg, layout.pp_rank):
+        model = build_stage_model(args, cfg, stage, device)
+        if layout.tp > 1:
+            apply_tensor_parallel(model, layout.mesh["tp"])
+        if uses_fsdp(cfg):
+            apply_fsdp(model, layout.mesh["dp"], cfg.parallel.dp_mode, bf16)
+        parts.append(model)
+    return parts
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def build_schedule(cfg: JobConfig, parts: list[Transformer], layout: Layout, device: torch.device):
+    """A torch.distributed.pipelining schedule over this rank's stages. Gradients are scaled by
+    1/microbatches (scale_grads) so the loss matches the mean over the whole batch."""
+    n_stages = cfg.parallel.pp * cfg.parallel.pp_virtual_stages
+    group = layout.group("pp")
+    stages = [
+        PipelineStage(part, stage, n_stages, device, group=group)
+        for part, stage in zip(parts, stage_ids(cfg, layout.pp_rank))
+    ]
+    kind = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}[cfg.parallel.pp_schedule]
+    if issubclass(kind, PipelineScheduleMulti):
+        return kind(stages, n_microbatches=cfg.training.microbatches, loss_fn=loss_fn, scale_grads=True)
+    assert issubclass(kind, PipelineScheduleSingle)
+    return kind(stages[0], n_microbatches=cfg.training.microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+def all_reduce_replicated_grads(parts: list[Transformer], layout: Layout) -> None:
+    """dp_mode=replicate: average gradients over dp after backward (DDP without bucketing)."""
+    group = layout.group("dp")
+    grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    flat = torch.cat([g.reshape(-1) for g in local])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    flat /= layout.dp
+    offset = 0
+    for g in local:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def global_grad_norm(parts: list[Transformer], layout: Layout) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, the same number on every rank.
+
+    Each rank sums the squares of its local gradient shard, divided by how many ranks hold a copy of
+    that same shard (a parameter of one pipeline stage lives on dp·tp ranks; dims it is sharded over
+    do not copy it). One all-reduce over the world then counts every element exactly once, across
+    dp and tp shards and across pipeline stages."""
+    holders = layout.dp * layout.tp
+    total = torch.zeros((), dtype=torch.float64, device=next(parts[0].parameters()).device)
+    for part in parts:
+        for p in part.parameters():
+            if p.grad is None:
+                continue
+            g = p.grad
+            shards = 1
+            if isinstance(g, DTensor):
+                shards = _shard_count(g)
+                g = g.to_local()
+            total += g.detach().double().pow(2).sum() / (holders // shards)
+    if layout.mesh is not None:
+        dist.all_reduce(total)
+    return total.sqrt()
+
+
+def _shard_count(t: DTensor) -> int:
+    count = 1
+    for size, placement in zip(t.device_mesh.shape, t.placements):
+        if placement.is_shard():
+            count *= size
+    return count

@@ -1,0 +1,217 @@
+"""The train loop. Runs in every worker process, started by `keel train` (through torchrun), by
+torchrun directly (`torchrun --nproc-per-node 8 -m keel.trainer.train --config small`), or by srun.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from keel.monitor.store import RunStore
+from keel.trainer import comm, flops, parallel
+from keel.trainer.config import JobConfig, write_resolved_config
+from keel.trainer.data import BatchSampler, open_tokens
+from keel.trainer.launch import parse_train_args, resolve_run_dir
+from keel.trainer.model import flops_per_token, model_args
+from keel.trainer.optim import build_optimizer, clip_grads, lr_at, set_lr
+from keel.trainer.progress import ProgressLine
+
+log = logging.getLogger("keel.train")
+
+
+def init_distributed() -> tuple[torch.device, int, int]:
+    """(device, rank, world size). Reads torchrun's variables, or srun's when torchrun's are absent."""
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"], LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    return device, rank, world
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast) -> torch.Tensor | None:
+    """Runs one step's forward and backward over all micro-batches. Returns this rank's mean loss,
+    or None on pipeline ranks that do not hold the last stage."""
+    if schedule is not None:
+        losses: list[torch.Tensor] = []
+        with autocast:
+            schedule.step(inputs, target=targets, losses=losses) if layout.pp_rank == 0 else schedule.step(target=targets, losses=losses)
+        return torch.stack(losses).mean().detach() if layout.is_last_stage_rank else None
+    model, m = parts[0], cfg.training.microbatches
+    total = torch.zeros((), device=inputs.device)
+    for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m))):
+        if parallel.uses_fsdp(cfg):
+            model.set_requires_gradient_sync(i == m - 1)  # reduce-scatter once, after the last micro-batch
+        with autocast:
+            loss = parallel.loss_fn(model(x), y) / m
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def train(cfg: JobConfig, device: torch.device, rank: int, world: int) -> None:
+    run_dir = Path(cfg.run.run_dir)
+    _setup_logging(run_dir, rank)
+    bf16 = cfg.training.dtype == "bf16" or (cfg.training.dtype == "auto" and device.type == "cuda")
+    if bf16 and device.type != "cuda":
+        log.warning("training.dtype=bf16 on CPU: running bf16 autocast on CPU")
+
+    layout = parallel.build_layout(cfg, device)
+    args = model_args(cfg)
+    parts = parallel.build_model_parts(cfg, args, layout, device, bf16)
+    schedule = parallel.build_schedule(cfg, parts, layout, device) if layout.pp > 1 else None
+    optimizer = build_optimizer(parts, cfg.optim)
+    # FSDP applies bf16 itself; everything else gets autocast.
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and not parallel.uses_fsdp(cfg) else nullcontext()
+
+    source = open_tokens(cfg.data.source, cfg.data.seq_len)
+    sampler = BatchSampler(source.tokens, cfg.data.seq_len, cfg.training.global_batch_size, layout.dp_rank, layout.dp, cfg.training.seed)
+    tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_len
+    flop_per_token = flops_per_token(args, cfg.data.seq_len)
+
+    # MFU's denominator: every rank measures (or looks up) its own peak at the same moment; the sum
+    # is the peak of all devices together.
+    peak, basis = flops.device_peak_flops(device)
+    peak_total = _sum_over_ranks(peak, device, world)
+
+    store = RunStore(run_dir) if rank == 0 else None
+    if store is not None:
+        write_resolved_config(cfg, run_dir / "config.toml")
+        for key, value in {
+            "run_id": cfg.run.run_id, "config": cfg.to_dict(), "world_size": world, "device": str(device),
+            "mfu_basis": basis, "peak_flops_total": peak_total, "flops_per_token": flop_per_token,
+            "data_version": source.version, "data": source.description, "torch_version": torch.__version__,
+        }.items():
+            store.set_meta(key, value)
+        store.write_event("run_started", f"{cfg.world_size} processes, pp{layout.pp} dp{layout.dp} tp{layout.tp}", step=0, attempt=0, rank=0)
+    progress = ProgressLine(cfg.training.steps, every=cfg.metrics.log_every) if rank == 0 else None
+
+    attempt, last_comm_share = 0, None
+    step_end = time.perf_counter()
+    for step in range(1, cfg.training.steps + 1):
+        t0 = time.perf_counter()
+        inputs, targets = (t.to(device, non_blocking=True) for t in sampler.next_batch())
+        data_time = time.perf_counter() - t0
+        lr = lr_at(step, cfg.optim, cfg.training.steps)
+        set_lr(optimizer, lr)
+
+        sample_comm = world > 1 and (step - 2) % cfg.metrics.comm_sample_every == 0
+        with comm.sampled_step(sample_comm, device.type == "cuda") as exposed_comm:
+            loss = forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast)
+            if cfg.parallel.dp > 1 and cfg.parallel.dp_mode == "replicate":
+                parallel.all_reduce_replicated_grads(parts, layout)
+            grad_norm = parallel.global_grad_norm(parts, layout).item()
+            clip_grads(parts, cfg.optim.grad_clip, grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        comm_time = exposed_comm()
+        now = time.perf_counter()
+        step_time, step_end = now - step_end, now
+
+        # One all-gather gives every rank every rank's numbers, so all agree on the step's metrics.
+        mine = [1.0 if loss is not None else 0.0, loss.item() if loss is not None else 0.0, step_time,
+                float("nan") if comm_time is None else comm_time, data_time, float(peak_memory_bytes(device))]
+        table = _gather_rows(mine, device, world)
+        has_loss, losses, step_times, comm_times, data_times, mems = table.T
+        global_loss = float(losses[has_loss > 0].mean())
+        slowest = float(step_times.max())
+        tokens_per_s = tokens_per_step / slowest
+        comm_share = None
+        if sample_comm:
+            comm_share = float(comm_times.mean()) / slowest
+            last_comm_share = comm_share
+        elif world == 1:
+            comm_share = last_comm_share = 0.0
+
+        if store is not None:
+            store.write_step(
+                {
+                    "step": step, "attempt": attempt, "time": time.time(), "loss": global_loss, "grad_norm": grad_norm,
+                    "lr": lr, "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_s,
+                    "mfu": tokens_per_s * flop_per_token / peak_total, "comm_share": comm_share,
+                    "step_time_s": slowest, "data_time_s": float(data_times.max()), "mem_peak_bytes": int(mems.max()),
+                    "skipped": 0,
+                },
+                [
+                    {"step": step, "attempt": attempt, "rank": r, "step_time_s": float(step_times[r]),
+                     "comm_time_s": None if comm_times[r] != comm_times[r] else float(comm_times[r]),
+                     "data_time_s": float(data_times[r]), "mem_peak_bytes": int(mems[r])}
+                    for r in range(world)
+                ],
+            )
+            progress.update(step, global_loss, tokens_per_s, tokens_per_s * flop_per_token / peak_total, last_comm_share, slowest)
+
+    if store is not None:
+        progress.finish()
+        store.write_event("run_finished", f"{cfg.training.steps} steps", step=cfg.training.steps, attempt=attempt, rank=0)
+        store.close()
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _gather_rows(row: list[float], device: torch.device, world: int) -> torch.Tensor:
+    mine = torch.tensor(row, dtype=torch.float64, device=device)
+    if world == 1:
+        return mine[None].cpu()
+    out = torch.empty(world * len(row), dtype=torch.float64, device=device)
+    dist.all_gather_single(out, mine)
+    return out.view(world, len(row)).cpu()
+
+
+def _sum_over_ranks(value: float, device: torch.device, world: int) -> float:
+    if world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _setup_logging(run_dir: Path, rank: int) -> None:
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / "logs" / f"rank-{rank}.log")
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("keel")
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+    if rank == 0:
+        console = logging.StreamHandler(sys.stderr)
+        console.setLevel(logging.WARNING)
+        root.addHandler(console)
+
+
+def main(argv: list[str] | None = None) -> None:
+    device, rank, world = init_distributed()
+    cfg, _ = parse_train_args(sys.argv[1:] if argv is None else argv, world_size=world)
+    if not cfg.run.run_dir:
+        # Started by torchrun or srun directly: rank 0 names the run, everyone uses that name.
+        resolve_run_dir(cfg)
+        names = [cfg.run.run_id, cfg.run.run_dir]
+        if world > 1:
+            dist.broadcast_object_list(names, src=0)
+        cfg.run.run_id, cfg.run.run_dir = names
+    train(cfg, device, rank, world)
+
+
+if __name__ == "__main__":
+    main()

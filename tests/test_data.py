@@ -1,0 +1,148 @@
+"""What users and the trainer rely on from keel.trainer.data: the corpus, the sampler's determinism, token files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from keel.trainer.config import ConfigError
+from keel.trainer.data import BatchSampler, open_tokens, prepare_data_main, write_token_file
+
+SEQ_LEN = 16
+
+
+@pytest.fixture(scope="module")
+def tokens() -> np.ndarray:
+    return open_tokens("builtin", SEQ_LEN).tokens
+
+
+def test_builtin_corpus_is_bytes_and_stable():
+    a = open_tokens("builtin", SEQ_LEN)
+    b = open_tokens("builtin", SEQ_LEN)
+    assert len(a.tokens) > 100_000
+    assert a.tokens.dtype == np.uint8 and int(a.tokens.max()) < 256
+    assert a.version == b.version and a.version.startswith("sha256:") and len(a.version) == len("sha256:") + 16
+    assert a.description.startswith("builtin:")
+
+
+@pytest.mark.parametrize("dp_size", [2, 4])
+def test_dp_shards_concatenate_to_the_single_process_batch(tokens, dp_size):
+    single = BatchSampler(tokens, SEQ_LEN, 8, dp_rank=0, dp_size=1, seed=3)
+    shards = [BatchSampler(tokens, SEQ_LEN, 8, dp_rank=r, dp_size=dp_size, seed=3) for r in range(dp_size)]
+    for _ in range(3):
+        x, y = single.next_batch()
+        parts = [s.next_batch() for s in shards]
+        assert all(px.shape == (8 // dp_size, SEQ_LEN) for px, _ in parts)
+        assert torch.equal(torch.cat([px for px, _ in parts]), x)
+        assert torch.equal(torch.cat([py for _, py in parts]), y)
+
+
+def test_global_batch_must_divide_over_dp(tokens):
+    with pytest.raises(ValueError):
+        BatchSampler(tokens, SEQ_LEN, 6, dp_rank=0, dp_size=4, seed=0)
+
+
+def test_same_seed_and_index_give_the_same_batch(tokens):
+    x1, _ = BatchSampler(tokens, SEQ_LEN, 4, 0, 1, seed=7).next_batch()
+    x2, _ = BatchSampler(tokens, SEQ_LEN, 4, 0, 1, seed=7).next_batch()
+    x3, _ = BatchSampler(tokens, SEQ_LEN, 4, 0, 1, seed=8).next_batch()
+    assert torch.equal(x1, x2)
+    assert not torch.equal(x1, x3)
+
+
+def test_targets_are_inputs_shifted_by_one(tokens):
+    s = BatchSampler(tokens, SEQ_LEN, 4, 0, 1, seed=0)
+    x, y = s.next_batch()
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (4, SEQ_LEN)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert s.batch_index == 1
+
+
+def test_skip_lands_on_the_same_batch_as_reading(tokens):
+    skipped = BatchSampler(tokens, SEQ_LEN, 4, 0, 1, seed=0)
+    skipped.next_batch()
+    skipped.skip(3)
+    assert skipped.batch_index == 4
+    fresh = BatchSampler(tokens, SEQ_LEN, 4, 0, 1, seed=0)
+    for _ in range(4):
+        fresh.next_batch()
+    assert torch.equal(skipped.next_batch()[0], fresh.next_batch()[0])
+
+
+def test_state_dict_resume_gives_the_identical_next_batch(tokens):
+    s = BatchSampler(tokens, SEQ_LEN, 4, 0, 1, seed=5)
+    for _ in range(3):
+        s.next_batch()
+    state = s.state_dict()
+    assert state == {"seed": 5, "batch_index": 3}
+    resumed = BatchSampler(tokens, SEQ_LEN, 4, 0, 1, seed=0)
+    resumed.load_state_dict(state)
+    x, y = s.next_batch()
+    rx, ry = resumed.next_batch()
+    assert torch.equal(x, rx) and torch.equal(y, ry)
+
+
+def test_token_file_round_trip(tmp_path: Path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_bytes("héllo world\n".encode())
+    b.write_bytes(b"second file\n")
+    out = tmp_path / "train.bin"
+    n = write_token_file(out, [a, b])
+    expected = a.read_bytes() + b.read_bytes()
+    assert n == len(expected) and out.stat().st_size == 2 * n
+    ts = open_tokens(str(out), seq_len=4)
+    assert ts.tokens.dtype == np.uint16
+    assert bytes(ts.tokens.astype(np.uint8)) == expected
+    assert ts.version.startswith("sha256:") and ts.version == open_tokens(str(out), 4).version
+    assert ts.description == str(out)
+
+
+def test_prepare_data_walks_directories_in_sorted_order(tmp_path: Path, capsys):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "b.txt").write_bytes(b"bbb")
+    (src / "a.txt").write_bytes(b"aaa")
+    (src / "sub" / "c.txt").write_bytes(b"ccc")
+    out = tmp_path / "out.bin"
+    assert prepare_data_main([str(out), str(src)]) == 0
+    assert "wrote 9 tokens" in capsys.readouterr().out
+    assert bytes(np.fromfile(out, dtype="<u2").astype(np.uint8)) == b"aaabbbccc"
+
+
+def test_prepare_data_missing_input_is_one_stderr_line(tmp_path: Path, capsys):
+    assert prepare_data_main([str(tmp_path / "out.bin"), str(tmp_path / "nope.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nope.txt" in err
+    assert not (tmp_path / "out.bin").exists()
+
+
+def _raw(tmp_path: Path, data: bytes) -> str:
+    path = tmp_path / "tokens.bin"
+    path.write_bytes(data)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda tmp: str(tmp / "missing.bin"), "data.source"),
+        (lambda tmp: _raw(tmp, b""), "data.source"),
+        (lambda tmp: _raw(tmp, b"abc"), "data.source"),  # odd size: not uint16
+        (lambda tmp: _raw(tmp, np.array([1, 2, 300], dtype="<u2").tobytes()), "data.source"),  # id >= 256
+        (lambda tmp: _raw(tmp, np.arange(8, dtype="<u2").tobytes()), "data.seq_len"),  # too short
+    ],
+    ids=["missing", "empty", "odd-size", "id-out-of-vocab", "too-short"],
+)
+def test_bad_token_files_raise_config_error(tmp_path: Path, make, field):
+    with pytest.raises(ConfigError) as info:
+        open_tokens(make(tmp_path), seq_len=SEQ_LEN)
+    message = str(info.value)
+    assert field in message and "data.source" in message and "\n" not in message
+
+
+def test_missing_file_message_names_the_fix(tmp_path: Path):
+    with pytest.raises(ConfigError, match="keel prepare-data"):
+        open_tokens(str(tmp_path / "missing.bin"), seq_len=SEQ_LEN)

@@ -1,0 +1,230 @@
+"""What the trainer, dashboard, drills and `keel metrics` rely on from keel.monitor.store."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from keel.monitor import metrics_cli
+from keel.monitor.store import (
+    RANK_COLUMNS,
+    STEP_COLUMNS,
+    RunStore,
+    read_events,
+    read_meta,
+    read_rank_steps,
+    read_steps,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def full_step(step: int, attempt: int = 0, **values) -> dict:
+    row = {
+        "step": step,
+        "attempt": attempt,
+        "time": 1_700_000_000.0 + step,
+        "loss": 4.0 / step,
+        "grad_norm": 1.5,
+        "lr": 3e-4,
+        "tokens": 4096,
+        "tokens_per_s": 12345.5,
+        "mfu": 0.41,
+        "comm_share": 0.125,
+        "step_time_s": 0.25,
+        "data_time_s": 0.01,
+        "mem_peak_bytes": 3 * 2**30,
+        "skipped": 0,
+    }
+    return row | values
+
+
+def test_steps_rank_rows_events_and_meta_round_trip(tmp_path):
+    config = {"optim": {"lr": 3e-4}, "parallel": [1, 2, 2]}
+    with RunStore(tmp_path) as store:
+        rank_rows = [
+            {"rank": 0, "step_time_s": 0.25, "comm_time_s": 0.03, "data_time_s": 0.01, "mem_peak_bytes": 7},
+            {"rank": 1, "step_time_s": 0.26, "data_time_s": 0.02, "mem_peak_bytes": 8},
+        ]
+        store.write_step(full_step(1), rank_rows)
+        # Optional columns may be left out, and numpy scalars and bools are accepted.
+        store.write_step(dict(step=2, attempt=0, loss=np.float32(0.5), tokens=np.int64(8), skipped=True))
+        store.write_event(
+            "rollback", "loss spike", severity="warning", step=2, attempt=0, rank=0,
+            data={"to_step": 1, "z": np.float32(7.5)}, time=123.0,
+        )
+        store.write_event("checkpoint_saved", "saved step 1")
+        store.set_meta("run_id", "run-1")
+        store.set_meta("config", config)
+
+    steps = read_steps(tmp_path)
+    assert tuple(steps.columns) == STEP_COLUMNS
+    assert steps.iloc[0].to_dict() == full_step(1)
+    second = steps.iloc[1]
+    assert (second["step"], second["loss"], second["tokens"], second["skipped"]) == (2, 0.5, 8, 1)
+    assert pd.isna(second["comm_share"]) and pd.isna(second["mem_peak_bytes"])
+
+    ranks = read_rank_steps(tmp_path)
+    assert tuple(ranks.columns) == RANK_COLUMNS
+    assert ranks[["step", "attempt", "rank"]].values.tolist() == [[1, 0, 0], [1, 0, 1]]
+    assert ranks["comm_time_s"].iloc[0] == 0.03 and pd.isna(ranks["comm_time_s"].iloc[1])
+
+    events = read_events(tmp_path)
+    assert events["kind"].tolist() == ["rollback", "checkpoint_saved"]
+    rollback = events.iloc[0]
+    assert (rollback["time"], rollback["step"], rollback["attempt"], rollback["rank"]) == (123.0, 2, 0, 0)
+    assert (rollback["severity"], rollback["message"]) == ("warning", "loss spike")
+    assert rollback["data"] == {"to_step": 1, "z": 7.5}
+    saved = events.iloc[1]
+    assert saved["severity"] == "info" and saved["data"] == {} and pd.isna(saved["step"])
+    assert saved["time"] > 1_600_000_000  # defaults to now
+
+    assert read_meta(tmp_path) == {"run_id": "run-1", "config": config}
+
+
+def test_rewriting_a_step_replaces_it(tmp_path):
+    with RunStore(tmp_path) as store:
+        store.write_step(full_step(1, loss=9.0))
+        store.write_step(full_step(1, loss=2.0))
+    assert read_steps(tmp_path)["loss"].tolist() == [2.0]
+
+
+def test_effective_steps_follow_the_last_attempt(tmp_path):
+    with RunStore(tmp_path) as store:
+        for step in range(1, 7):  # attempt 0 runs to step 6, then rolls back
+            store.write_step(full_step(step, attempt=0))
+        for step in range(4, 8):  # attempt 1 reruns from step 4 and gets further
+            store.write_step(full_step(step, attempt=1))
+
+    effective = read_steps(tmp_path, effective=True)
+    expected = [(1, 0), (2, 0), (3, 0), (4, 1), (5, 1), (6, 1), (7, 1)]
+    assert list(zip(effective["step"], effective["attempt"])) == expected
+    everything = read_steps(tmp_path)
+    assert len(everything) == 10 and everything["step"].is_monotonic_increasing
+
+
+def test_effective_steps_drop_an_abandoned_tail_not_yet_rerun(tmp_path):
+    # While attempt 1 is replaying from step 3, attempt 0's steps 5 and 6 are abandoned, not effective.
+    with RunStore(tmp_path) as store:
+        for step in range(1, 7):
+            store.write_step(full_step(step, attempt=0))
+        for step in (3, 4):
+            store.write_step(full_step(step, attempt=1))
+    effective = read_steps(tmp_path, effective=True)
+    assert list(zip(effective["step"], effective["attempt"])) == [(1, 0), (2, 0), (3, 1), (4, 1)]
+
+
+def test_reads_while_a_writer_is_open(tmp_path):
+    store = RunStore(tmp_path)
+    try:
+        for step in range(1, 4):
+            store.write_step(full_step(step))
+        assert read_steps(tmp_path)["step"].tolist() == [1, 2, 3]
+        store.write_step(full_step(4))  # a reader must not lock the writer out
+        store.write_event("alert", "slow step", step=4)
+        assert read_steps(tmp_path)["step"].tolist() == [1, 2, 3, 4]
+        assert read_events(tmp_path)["kind"].tolist() == ["alert"]
+    finally:
+        store.close()
+
+
+WRITER = """
+import sys, time
+from keel.monitor.store import RunStore
+
+store = RunStore(sys.argv[1])
+for step in range(1, int(sys.argv[2]) + 1):
+    store.write_step({"step": step, "attempt": 0, "loss": 1.0 / step}, [{"rank": 0}])
+print("committed", flush=True)
+time.sleep(60)
+"""
+
+
+def test_sigkilled_writer_leaves_every_committed_step_readable(tmp_path):
+    n = 50
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(tmp_path), str(n)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert writer.stdout.readline().strip() == "committed"
+        writer.send_signal(signal.SIGKILL)
+        assert writer.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        writer.kill()
+        writer.stdout.close()
+
+    # The rows are still only in the write-ahead log, so reading them back exercises its recovery.
+    assert (tmp_path / "run.sqlite-wal").stat().st_size > 0
+    steps = read_steps(tmp_path)
+    assert steps["step"].tolist() == list(range(1, n + 1))
+    assert steps["loss"].tolist() == [1.0 / s for s in range(1, n + 1)]
+    assert len(read_rank_steps(tmp_path)) == n
+
+
+def test_bad_rows_are_rejected_and_nothing_is_written(tmp_path):
+    with RunStore(tmp_path) as store:
+        with pytest.raises(ValueError, match="losss"):
+            store.write_step({"step": 1, "attempt": 0, "losss": 1.0})
+        with pytest.raises(ValueError, match="comm_tim"):
+            store.write_step(full_step(1), [{"rank": 0, "comm_tim": 0.1}])
+        with pytest.raises(ValueError, match="attempt"):
+            store.write_step({"step": 1, "loss": 1.0})
+    assert read_steps(tmp_path).empty and read_rank_steps(tmp_path).empty
+
+
+def test_readers_name_a_missing_store_and_create_nothing(tmp_path):
+    missing = tmp_path / "no-such-run"
+    for read in (read_steps, read_rank_steps, read_events, read_meta):
+        with pytest.raises(FileNotFoundError, match="keel train") as excinfo:
+            read(missing)
+        assert str(missing / "run.sqlite") in str(excinfo.value)
+    assert not missing.exists()
+
+
+@pytest.fixture
+def rolled_back_run(tmp_path) -> Path:
+    with RunStore(tmp_path) as store:
+        store.write_step(full_step(1, attempt=0))
+        store.write_step(full_step(2, attempt=0, loss=float("inf")))
+        store.write_step(full_step(2, attempt=1, loss=1.875, comm_share=None))
+    return tmp_path
+
+
+def test_metrics_prints_the_effective_table(rolled_back_run, capsys):
+    assert metrics_cli.main([str(rolled_back_run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == [
+        "step", "attempt", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "comm_share", "step_time_s"
+    ]
+    assert [line.split() for line in lines[1:]] == [
+        ["1", "0", "4", "1.5", "0.0003", "12346", "0.41", "0.125", "0.25"],
+        ["2", "1", "1.875", "1.5", "0.0003", "12346", "0.41", "-", "0.25"],
+    ]
+
+
+def test_metrics_csv_has_every_column_and_all_attempts(rolled_back_run, capsys):
+    assert metrics_cli.main([str(rolled_back_run), "--csv", "--all-attempts"]) == 0
+    parsed = pd.read_csv(io.StringIO(capsys.readouterr().out))
+    expected = read_steps(rolled_back_run)
+    assert tuple(parsed.columns) == STEP_COLUMNS
+    assert parsed["attempt"].tolist() == [0, 0, 1]
+    pd.testing.assert_frame_equal(parsed, expected, check_dtype=False)
+
+    assert metrics_cli.main([str(rolled_back_run), "--csv"]) == 0
+    assert pd.read_csv(io.StringIO(capsys.readouterr().out))["attempt"].tolist() == [0, 1]
+
+
+def test_metrics_on_a_missing_run_is_a_one_line_error(tmp_path, capsys):
+    assert metrics_cli.main([str(tmp_path / "nope")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("keel metrics: error: ") and captured.err.count("\n") == 1
