@@ -173,8 +173,10 @@ def global_grad_norm(parts: list[Transformer], layout: Layout) -> torch.Tensor:
 
 
 def _shard_count(t: DTensor) -> int:
+    """How many pieces t is split into. FSDP over a TP-sharded dim uses _StridedShard, for which
+    is_shard() is False, so count every placement that is neither a copy nor a pending sum."""
     count = 1
     for size, placement in zip(t.device_mesh.shape, t.placements):
-        if placement.is_shard():
+        if not (placement.is_replicate() or placement.is_partial()):
             count *= size
     return count
