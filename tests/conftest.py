@@ -27,6 +27,13 @@ def train(run_dir: Path, *args: str, timeout: float = 300):
 
 
 @pytest.fixture(scope="session")
-def reference_run(tmp_path_factory):
+def reference_dir(tmp_path_factory) -> Path:
     """The single-process tiny run that every parallel layout must reproduce."""
-    return train(tmp_path_factory.mktemp("ref") / "run", "--config", "tiny", "--pp", "1", "--dp", "1", "--tp", "1")
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    train(run_dir, "--config", "tiny", "--pp", "1", "--dp", "1", "--tp", "1")
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def reference_run(reference_dir):
+    return read_steps(reference_dir, effective=True)

@@ -8,7 +8,10 @@ GPU, no compute kernel runs. Exposed time = |communication intervals minus compu
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 STEP_MARK = "keel.step"
@@ -49,45 +52,66 @@ def exposed_time(comm: list[tuple[float, float]], compute: list[tuple[float, flo
 
 def exposed_comm_seconds(prof: profile) -> float:
     """Exposed communication of the step marked with STEP_MARK in this profile."""
-    events = prof.events()
-    marks = [e for e in events if e.name == STEP_MARK and e.device_type.name == "CPU"]
+    # The raw kineto events: building profile.events() costs seconds in Python for one step.
+    events = prof.profiler.kineto_results.events()
+    marks = [e for e in events if e.name() == STEP_MARK]
     if not marks:
         return 0.0
-    main_thread, window = marks[0].thread, marks[0].time_range
-    on_gpu = any(e.device_type.name == "CUDA" for e in events)
+    main_thread, w_start, w_end = marks[0].start_thread_id(), marks[0].start_ns(), marks[0].end_ns()
+    on_gpu = any(e.device_type() == DeviceType.CUDA for e in events)
     comm, compute = [], []
     for e in events:
-        start, end = max(e.time_range.start, window.start), min(e.time_range.end, window.end)
-        if end <= start or e.name == STEP_MARK:
+        start, end = max(e.start_ns(), w_start), min(e.end_ns(), w_end)
+        if end <= start or e is marks[0]:
             continue
         if on_gpu:
             # CPU-side c10d calls only enqueue work; on a GPU the kernels are what runs.
-            if e.device_type.name == "CUDA":
-                (comm if _is_comm(e.name) else compute).append((start, end))
-        elif _is_comm(e.name):
+            if e.device_type() == DeviceType.CUDA:
+                (comm if _is_comm(e.name()) else compute).append((start, end))
+        elif _is_comm(e.name()):
             comm.append((start, end))
-        elif e.thread == main_thread and not _inside_comm(e):
+        elif e.start_thread_id() == main_thread:
             compute.append((start, end))
-    return exposed_time(comm, compute) / 1e6  # profiler times are in microseconds
+    return exposed_time(comm, compute) / 1e9
 
 
-def _inside_comm(event) -> bool:
-    parent = event.cpu_parent
-    while parent is not None:
-        if _is_comm(parent.name):
-            return True
-        parent = parent.cpu_parent
-    return False
+@contextlib.contextmanager
+def _stderr_silenced():
+    """Kineto prints a line to stderr at every profiler start and stop; keep the console clean."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def warm_up_profiler(cuda: bool) -> None:
+    """The first profiler start of a process costs about a second; pay it before the first step."""
+    with _stderr_silenced(), profile(activities=_activities(cuda)):
+        pass
+
+
+def _activities(cuda: bool) -> list[ProfilerActivity]:
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
 
 @contextlib.contextmanager
 def sampled_step(enabled: bool, cuda: bool):
-    """Profiles the enclosed step when enabled; yields a callable that returns its exposed comm seconds."""
+    """Profiles the enclosed step when enabled; yields a callable that returns its exposed comm
+    seconds (None when not enabled), to be called after the block."""
     if not enabled:
         yield lambda: None
         return
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    prof = profile(activities=_activities(cuda))
+    with _stderr_silenced():
+        prof.start()
+    try:
         with record_function(STEP_MARK):
             yield lambda: exposed_comm_seconds(prof)
-
+    finally:
+        with _stderr_silenced():
+            prof.stop()

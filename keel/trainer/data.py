@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from keel.trainer.config import ConfigError
 
@@ -169,7 +168,7 @@ class BatchSampler:
         self.batch_index = 0  # the next batch to be read
         self._window = np.arange(seq_len + 1)
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
         """(inputs, targets), int64 [global_batch_size // dp_size, seq_len]; targets are inputs shifted by one."""
         # Every rank draws the whole global batch and keeps its own rows, so the union over dp ranks
         # is exactly the single-process batch whatever dp_size is.
@@ -179,7 +178,9 @@ class BatchSampler:
         offsets = offsets[lo : lo + self.local_batch_size]
         rows = np.asarray(self.tokens[offsets[:, None] + self._window])
         self.batch_index += 1
-        return torch.from_numpy(rows[:, :-1].astype(np.int64)), torch.from_numpy(rows[:, 1:].astype(np.int64))
+        # Plain numpy: the launcher validates data without paying for importing torch.
+        tokens = rows.astype(np.int64)
+        return tokens[:, :-1], tokens[:, 1:]
 
     def skip(self, n_batches: int) -> None:
         """Moves past `n_batches` batches without reading them (used to step over bad data)."""

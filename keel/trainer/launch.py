@@ -110,6 +110,8 @@ def main(argv: list[str]) -> int:
     Path(cfg.run.run_dir).mkdir(parents=True, exist_ok=True)
     print(f"keel train: {cfg.world_size} processes (pp{cfg.parallel.pp} dp{cfg.parallel.dp} tp{cfg.parallel.tp}), run dir {cfg.run.run_dir}", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Share the cores among the local workers (torchrun would pin every worker to 1 thread).
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (cfg.world_size // opts.nnodes))))
     return subprocess.call(cmd, env=env)
 
 

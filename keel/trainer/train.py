@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from keel.monitor.store import RunStore
 from keel.trainer import comm, flops, parallel
-from keel.trainer.config import JobConfig, write_resolved_config
+from keel.trainer.config import ConfigError, JobConfig, write_resolved_config
 from keel.trainer.data import BatchSampler, open_tokens
 from keel.trainer.launch import parse_train_args, resolve_run_dir
 from keel.trainer.model import flops_per_token, model_args
@@ -76,6 +76,7 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int) -> None:
     if bf16 and device.type != "cuda":
         log.warning("training.dtype=bf16 on CPU: running bf16 autocast on CPU")
 
+    log.info("process group up: rank %d of %d on %s", rank, world, device)
     layout = parallel.build_layout(cfg, device)
     args = model_args(cfg)
     parts = parallel.build_model_parts(cfg, args, layout, device, bf16)
@@ -84,6 +85,7 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int) -> None:
     # FSDP applies bf16 itself; everything else gets autocast.
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and not parallel.uses_fsdp(cfg) else nullcontext()
 
+    log.info("model built: %d stage(s) on this rank", len(parts))
     source = open_tokens(cfg.data.source, cfg.data.seq_len)
     sampler = BatchSampler(source.tokens, cfg.data.seq_len, cfg.training.global_batch_size, layout.dp_rank, layout.dp, cfg.training.seed)
     tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_len
@@ -94,6 +96,7 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int) -> None:
     peak, basis = flops.device_peak_flops(device)
     peak_total = _sum_over_ranks(peak, device, world)
 
+    log.info("peak FLOPS: %.3g per device (%s)", peak, basis)
     store = RunStore(run_dir) if rank == 0 else None
     if store is not None:
         write_resolved_config(cfg, run_dir / "config.toml")
@@ -106,11 +109,14 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int) -> None:
         store.write_event("run_started", f"{cfg.world_size} processes, pp{layout.pp} dp{layout.dp} tp{layout.tp}", step=0, attempt=0, rank=0)
     progress = ProgressLine(cfg.training.steps, every=cfg.metrics.log_every) if rank == 0 else None
 
+    if world > 1:
+        comm.warm_up_profiler(device.type == "cuda")
+    log.info("starting training")
     attempt, last_comm_share = 0, None
     step_end = time.perf_counter()
     for step in range(1, cfg.training.steps + 1):
         t0 = time.perf_counter()
-        inputs, targets = (t.to(device, non_blocking=True) for t in sampler.next_batch())
+        inputs, targets = (torch.from_numpy(t).to(device, non_blocking=True) for t in sampler.next_batch())
         data_time = time.perf_counter() - t0
         lr = lr_at(step, cfg.optim, cfg.training.steps)
         set_lr(optimizer, lr)
@@ -200,9 +206,15 @@ def _setup_logging(run_dir: Path, rank: int) -> None:
         root.addHandler(console)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
+    try:
+        cfg, _ = parse_train_args(sys.argv[1:] if argv is None else argv, world_size=world)
+    except ConfigError as e:
+        if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
+            print(f"keel train: error: {e}", file=sys.stderr)
+        return 2
     device, rank, world = init_distributed()
-    cfg, _ = parse_train_args(sys.argv[1:] if argv is None else argv, world_size=world)
     if not cfg.run.run_dir:
         # Started by torchrun or srun directly: rank 0 names the run, everyone uses that name.
         resolve_run_dir(cfg)
@@ -211,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
             dist.broadcast_object_list(names, src=0)
         cfg.run.run_id, cfg.run.run_dir = names
     train(cfg, device, rank, world)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

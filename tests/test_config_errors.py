@@ -1,0 +1,95 @@
+"""Bad input ends in one line on stderr that names the field and the fix, before any worker starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import keel
+from keel.trainer.config import ConfigError, load_config, write_resolved_config
+
+# (arguments, text the one-line error must contain: the field, and the fix)
+CASES = {
+    "unknown key": (["--optim.lrr=1e-3"], ["optim.lrr", "did you mean 'optim.lr'"]),
+    "unknown section": (["--optimizer.lr=1e-3"], ["optimizer", "did you mean 'optim'"]),
+    "wrong type": (["--training.steps=ten"], ["training.steps", "expected int"]),
+    "unknown option": (["--stepz", "3"], ["--stepz", "--section.key=value"]),
+    "layers do not split over pp": (["--pp", "3"], ["model.n_layers=4", "pp*pp_virtual_stages", "choose"]),
+    "layers do not split over pp*v": (
+        ["--pp", "2", "--parallel.pp_schedule=Interleaved1F1B", "--parallel.pp_virtual_stages=4", "--training.microbatches=8"],
+        ["model.n_layers=4", "8 pipeline stages"],
+    ),
+    "heads not divisible by tp": (["--tp", "3"], ["parallel.tp=3", "model.n_heads=4", "choose tp from [1, 2, 4]"]),
+    "hidden not divisible by tp": (["--tp", "8", "--model.n_heads=8", "--model.n_kv_heads=8", "--model.ffn_dim=196"], ["parallel.tp=8", "model.ffn_dim=196"]),
+    "fewer micro-batches than stages": (["--pp", "2", "--training.microbatches=1"], ["training.microbatches=1", "--training.microbatches=2"]),
+    "global batch does not divide": (["--dp", "2", "--training.global_batch_size=6"], ["training.global_batch_size=6", "multiple of 4"]),
+    "virtual stages without interleaving": (["--pp", "2", "--parallel.pp_virtual_stages=2"], ["parallel.pp_virtual_stages=2", "Interleaved1F1B"]),
+    "unknown schedule": (["--pp", "2", "--parallel.pp_schedule=ZeroBubble"], ["parallel.pp_schedule", "GPipe"]),
+    "unknown preset": (["--model.preset=13b"], ["model.preset", "tiny"]),
+    "missing config file": (["--config", "nope.toml"], ["--config nope.toml", "file not found"]),
+    "nodes do not split the processes": (["--dp", "2", "--nnodes", "3"], ["--nnodes=3", "do not split"]),
+}
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, expected: list[str]) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for text in expected:
+        assert text in lines[0], f"{text!r} not in: {lines[0]}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_config_is_one_line_before_any_worker(case, tmp_path):
+    args, expected = CASES[case]
+    run_dir = tmp_path / "run"
+    proc = keel("train", "--config", "tiny", "--run-dir", str(run_dir), *args)
+    assert_one_line_error(proc, expected)
+    assert not run_dir.exists(), "the run directory is made only once the job is valid"
+
+
+def test_missing_data_file(tmp_path):
+    proc = keel("train", "--config", "tiny", "--run-dir", str(tmp_path / "run"), f"--data.source={tmp_path / 'none.bin'}")
+    assert_one_line_error(proc, ["data.source=", "not found", "keel prepare-data"])
+
+
+def test_empty_data_file(tmp_path):
+    (tmp_path / "empty.bin").write_bytes(b"")
+    proc = keel("train", "--config", "tiny", "--run-dir", str(tmp_path / "run"), f"--data.source={tmp_path / 'empty.bin'}")
+    assert_one_line_error(proc, ["data.source=", "empty"])
+
+
+def test_unwritable_run_dir(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    proc = keel("train", "--config", "tiny", "--run-dir", str(tmp_path / "a-file" / "run"))
+    assert_one_line_error(proc, ["run.run_dir=", "not a directory", "--run-dir"])
+
+
+def test_process_count_mismatch_under_plain_torchrun(tmp_path):
+    """Started by torchrun directly, the workers are the first to see the config: they stop with the
+    same one-line error (printed once, by rank 0) before joining a process group."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "keel.trainer.train",
+         "--config", "tiny", "--dp", "4", "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "keel train: error" in line]
+    assert len(errors) == 1, proc.stderr
+    assert "pp*dp*tp = 1*4*1 = 4 but 2 processes" in errors[0]
+
+
+def test_overrides_are_typed_and_config_round_trips(tmp_path):
+    cfg = load_config("tiny", ["optim.lr=3e-4", "parallel.pp=2", "model.dim=128"])
+    assert cfg.optim.lr == 3e-4 and cfg.parallel.pp == 2 and cfg.model.dim == 128
+    write_resolved_config(cfg, tmp_path / "config.toml")
+    assert load_config(str(tmp_path / "config.toml")) == cfg
+
+
+def test_unknown_key_in_file_is_an_error(tmp_path):
+    (tmp_path / "job.toml").write_text("[training]\nstepss = 3\n")
+    with pytest.raises(ConfigError, match=r"training.stepss.*did you mean 'training.steps'"):
+        load_config(str(tmp_path / "job.toml"))
