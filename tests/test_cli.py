@@ -1,0 +1,67 @@
+"""The commands as a user runs them: the run directory, `keel metrics`, torchrun started directly, multi-node flags."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from conftest import REPO, keel
+from keel.monitor.store import read_events, read_steps
+from keel.trainer.config import load_config
+from keel.trainer.launch import parse_train_args, torchrun_command
+
+
+def test_run_directory_contract(reference_dir):
+    assert (reference_dir / "run.sqlite").is_file()
+    assert load_config(str(reference_dir / "config.toml")).training.steps == 20
+    assert (reference_dir / "logs" / "rank-0.log").is_file()
+    kinds = list(read_events(reference_dir).kind)
+    assert kinds == ["run_started", "run_finished"]
+
+
+def test_keel_metrics_table_and_csv(reference_dir, reference_run):
+    table = keel("metrics", str(reference_dir))
+    assert table.returncode == 0, table.stderr
+    assert len(table.stdout.strip().splitlines()) == 21  # header + 20 steps
+    assert "grad_norm" in table.stdout.splitlines()[0]
+    csv = keel("metrics", str(reference_dir), "--csv")
+    frame = pd.read_csv(io.StringIO(csv.stdout))
+    assert list(frame.step) == list(range(1, 21))
+    assert frame.loss.tolist() == reference_run.loss.tolist()
+
+
+def test_train_module_under_plain_torchrun(tmp_path):
+    """`torchrun -m keel.trainer.train` works without `keel train`: rank 0 names the run for all."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "keel.trainer.train",
+         "--config", "tiny", "--dp", "2", "--steps", "3"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1
+    assert list(read_steps(runs[0]).step) == [1, 2, 3]
+    assert sorted(p.name for p in (runs[0] / "logs").iterdir()) == ["rank-0.log", "rank-1.log"]
+
+
+def test_multi_node_flags_pass_through_to_torchrun():
+    cfg, opts = parse_train_args(["--config", "tiny", "--pp", "2", "--dp", "4", "--nnodes", "2", "--node-rank", "1",
+                                  "--rdzv-endpoint", "head:29500", "--rdzv-id", "job7", "--max-restarts", "3"])
+    cmd = torchrun_command(cfg, opts, ["--config", "tiny"])
+    assert "--nproc-per-node=4" in cmd and "--nnodes=2" in cmd and "--node-rank=1" in cmd
+    assert "--rdzv-endpoint=head:29500" in cmd and "--rdzv-id=job7" in cmd and "--max-restarts=3" in cmd
+    assert "--standalone" not in cmd
+    assert cmd[cmd.index("-m", 3):][:2] == ["-m", "keel.trainer.train"]
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme = (REPO / "README.md").read_text().splitlines()
+    block = readme[readme.index("```bash") + 1 : readme.index("```bash") + 3]
+    install_and_train, install_and_test = block
+    assert install_and_train.endswith("keel train")
+    assert install_and_test in (REPO / ".ci" / "run").read_text().splitlines()
