@@ -34,6 +34,7 @@ def test_layout_matches_single_process(name, tmp_path, reference_run):
     sampled = run[run.comm_share.notna()]
     assert list(sampled.step) == [2, 12]
     assert ((sampled.comm_share > 0) & (sampled.comm_share < 1)).all()
+    assert ((run.mfu > 0) & (run.mfu <= 1)).all()
     # The run must actually learn, or parity would hold trivially for a model that does nothing.
     assert run.loss.iloc[-1] < run.loss.iloc[0] - 1.0
 

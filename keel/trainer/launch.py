@@ -112,7 +112,10 @@ def main(argv: list[str]) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # Share the cores among the local workers (torchrun would pin every worker to 1 thread).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (cfg.world_size // opts.nnodes))))
-    return subprocess.call(cmd, env=env)
+    try:
+        return subprocess.call(cmd, env=env)
+    except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the workers
+        return 130
 
 
 def _strip_torchrun_values(argv: list[str]) -> list[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import sys
 import time
 from contextlib import nullcontext
@@ -23,6 +22,7 @@ from keel.trainer.launch import parse_train_args, resolve_run_dir
 from keel.trainer.model import flops_per_token, model_args
 from keel.trainer.optim import build_optimizer, clip_grads, lr_at, set_lr
 from keel.trainer.progress import ProgressLine
+from keel.trainer.step_metrics import StepReporter
 
 log = logging.getLogger("keel.train")
 
@@ -43,19 +43,16 @@ def init_distributed() -> tuple[torch.device, int, int]:
     return device, rank, world
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
 def forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast) -> torch.Tensor | None:
     """Runs one step's forward and backward over all micro-batches. Returns this rank's mean loss,
     or None on pipeline ranks that do not hold the last stage."""
     if schedule is not None:
         losses: list[torch.Tensor] = []
         with autocast:
-            schedule.step(inputs, target=targets, losses=losses) if layout.pp_rank == 0 else schedule.step(target=targets, losses=losses)
+            if layout.pp_rank == 0:  # holds the first stage, which takes the token ids
+                schedule.step(inputs, target=targets, losses=losses)
+            else:
+                schedule.step(target=targets, losses=losses)
         return torch.stack(losses).mean().detach() if layout.is_last_stage_rank else None
     model, m = parts[0], cfg.training.microbatches
     total = torch.zeros((), device=inputs.device)
@@ -88,7 +85,6 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int) -> None:
     log.info("model built: %d stage(s) on this rank", len(parts))
     source = open_tokens(cfg.data.source, cfg.data.seq_len)
     sampler = BatchSampler(source.tokens, cfg.data.seq_len, cfg.training.global_batch_size, layout.dp_rank, layout.dp, cfg.training.seed)
-    tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_len
     flop_per_token = flops_per_token(args, cfg.data.seq_len)
 
     # MFU's denominator: every rank measures (or looks up) its own peak at the same moment; the sum
@@ -106,14 +102,14 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int) -> None:
             "data_version": source.version, "data": source.description, "torch_version": torch.__version__,
         }.items():
             store.set_meta(key, value)
-        store.write_event("run_started", f"{cfg.world_size} processes, pp{layout.pp} dp{layout.dp} tp{layout.tp}", step=0, attempt=0, rank=0)
+        store.write_event("run_started", f"{world} processes, pp{layout.pp} dp{layout.dp} tp{layout.tp}", step=0, attempt=0, rank=0)
     progress = ProgressLine(cfg.training.steps, every=cfg.metrics.log_every) if rank == 0 else None
-
     if world > 1:
         comm.warm_up_profiler(device.type == "cuda")
+    reporter = StepReporter(device, world, cfg.training.global_batch_size * cfg.data.seq_len, flop_per_token, peak_total, store, progress)
     log.info("starting training")
-    attempt, last_comm_share = 0, None
-    step_end = time.perf_counter()
+
+    attempt = 0
     for step in range(1, cfg.training.steps + 1):
         t0 = time.perf_counter()
         inputs, targets = (torch.from_numpy(t).to(device, non_blocking=True) for t in sampler.next_batch())
@@ -130,42 +126,7 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int) -> None:
             clip_grads(parts, cfg.optim.grad_clip, grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        comm_time = exposed_comm()
-        now = time.perf_counter()
-        step_time, step_end = now - step_end, now
-
-        # One all-gather gives every rank every rank's numbers, so all agree on the step's metrics.
-        mine = [1.0 if loss is not None else 0.0, loss.item() if loss is not None else 0.0, step_time,
-                float("nan") if comm_time is None else comm_time, data_time, float(peak_memory_bytes(device))]
-        table = _gather_rows(mine, device, world)
-        has_loss, losses, step_times, comm_times, data_times, mems = table.T
-        global_loss = float(losses[has_loss > 0].mean())
-        slowest = float(step_times.max())
-        tokens_per_s = tokens_per_step / slowest
-        comm_share = None
-        if sample_comm:
-            comm_share = float(comm_times.mean()) / slowest
-            last_comm_share = comm_share
-        elif world == 1:
-            comm_share = last_comm_share = 0.0
-
-        if store is not None:
-            store.write_step(
-                {
-                    "step": step, "attempt": attempt, "time": time.time(), "loss": global_loss, "grad_norm": grad_norm,
-                    "lr": lr, "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_s,
-                    "mfu": tokens_per_s * flop_per_token / peak_total, "comm_share": comm_share,
-                    "step_time_s": slowest, "data_time_s": float(data_times.max()), "mem_peak_bytes": int(mems.max()),
-                    "skipped": 0,
-                },
-                [
-                    {"step": step, "attempt": attempt, "rank": r, "step_time_s": float(step_times[r]),
-                     "comm_time_s": None if comm_times[r] != comm_times[r] else float(comm_times[r]),
-                     "data_time_s": float(data_times[r]), "mem_peak_bytes": int(mems[r])}
-                    for r in range(world)
-                ],
-            )
-            progress.update(step, global_loss, tokens_per_s, tokens_per_s * flop_per_token / peak_total, last_comm_share, slowest)
+        reporter.report(step, attempt, lr, grad_norm, loss, data_time, exposed_comm())
 
     if store is not None:
         progress.finish()
@@ -174,15 +135,6 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int) -> None:
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
-
-
-def _gather_rows(row: list[float], device: torch.device, world: int) -> torch.Tensor:
-    mine = torch.tensor(row, dtype=torch.float64, device=device)
-    if world == 1:
-        return mine[None].cpu()
-    out = torch.empty(world * len(row), dtype=torch.float64, device=device)
-    dist.all_gather_single(out, mine)
-    return out.view(world, len(row)).cpu()
 
 
 def _sum_over_ranks(value: float, device: torch.device, world: int) -> float:

@@ -1,0 +1,73 @@
+"""Per-step metrics: each rank's own numbers, exchanged in one all-gather, turned into the step row
+and the per-rank rows of the run store (written by rank 0) and the console progress line."""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+
+from keel.monitor.store import RunStore
+from keel.trainer.progress import ProgressLine
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def gather_rows(row: list[float], device: torch.device, world: int) -> torch.Tensor:
+    """[world, len(row)] float64 on CPU: every rank's row, on every rank."""
+    mine = torch.tensor(row, dtype=torch.float64, device=device)
+    if world == 1:
+        return mine[None].cpu()
+    out = torch.empty(world * len(row), dtype=torch.float64, device=device)
+    dist.all_gather_single(out, mine)
+    return out.view(world, len(row)).cpu()
+
+
+class StepReporter:
+    """Measures step time on this rank, agrees the step's metrics with all ranks, records them."""
+
+    def __init__(self, device: torch.device, world: int, tokens_per_step: int, flops_per_token: float,
+                 peak_flops_total: float, store: RunStore | None, progress: ProgressLine | None):
+        self.device, self.world = device, world
+        self.tokens_per_step, self.flops_per_token, self.peak_flops_total = tokens_per_step, flops_per_token, peak_flops_total
+        self.store, self.progress = store, progress
+        self.last_comm_share: float | None = 0.0 if world == 1 else None
+        self.step_end = time.perf_counter()
+
+    def report(self, step: int, attempt: int, lr: float, grad_norm: float, loss: torch.Tensor | None,
+               data_time: float, comm_time: float | None) -> None:
+        """`loss` is None on pipeline ranks without the last stage; `comm_time` None when not measured."""
+        now = time.perf_counter()
+        step_time, self.step_end = now - self.step_end, now
+        mine = [0.0 if loss is None else 1.0, 0.0 if loss is None else loss.item(), step_time,
+                math.nan if comm_time is None else comm_time, data_time, float(peak_memory_bytes(self.device))]
+        has_loss, losses, step_times, comm_times, data_times, mems = gather_rows(mine, self.device, self.world).T
+        slowest = float(step_times.max())  # a synchronous step is as slow as its slowest rank
+        tokens_per_s = self.tokens_per_step / slowest
+        mfu = tokens_per_s * self.flops_per_token / self.peak_flops_total
+        comm_share = self.last_comm_share if self.world == 1 else None
+        if comm_time is not None:
+            comm_share = self.last_comm_share = float(comm_times.mean()) / slowest
+        row = {
+            "step": step, "attempt": attempt, "time": time.time(), "loss": float(losses[has_loss > 0].mean()),
+            "grad_norm": grad_norm, "lr": lr, "tokens": step * self.tokens_per_step, "tokens_per_s": tokens_per_s,
+            "mfu": mfu, "comm_share": comm_share, "step_time_s": slowest, "data_time_s": float(data_times.max()),
+            "mem_peak_bytes": int(mems.max()), "skipped": 0,
+        }
+        if self.store is not None:
+            rank_rows = [
+                {"step": step, "attempt": attempt, "rank": r, "step_time_s": float(step_times[r]),
+                 "comm_time_s": None if math.isnan(comm_times[r]) else float(comm_times[r]),
+                 "data_time_s": float(data_times[r]), "mem_peak_bytes": int(mems[r])}
+                for r in range(self.world)
+            ]
+            self.store.write_step(row, rank_rows)
+        if self.progress is not None:
+            self.progress.update(step, row["loss"], tokens_per_s, mfu, self.last_comm_share, slowest)
