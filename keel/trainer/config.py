@@ -15,6 +15,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from keel.monitor.redact import redact
+
 
 class ConfigError(ValueError):
     """Bad user input. The message is one line: the field, what is wrong, and the fix."""
@@ -77,6 +79,27 @@ class MetricsConfig:
 
 
 @dataclass
+class MonitorConfig:
+    prometheus: bool = True  # /metrics exporter on rank 0
+    prometheus_host: str = "127.0.0.1"
+    prometheus_port: int = 9400  # busy: the next free port, logged
+    prometheus_linger_s: float = 0.0  # keep /metrics up this long after the last step, for short jobs
+    pushgateway_url: str = ""  # push the final state here at the end (short jobs)
+    wandb: bool = False
+    wandb_project: str = "keel"
+    wandb_mode: str = "auto"  # auto: online with an API key, offline without; offline | online | disabled
+    webhook_url: str = ""  # Slack-compatible incoming webhook for Keel's alerts (a secret: never written out)
+    alert_throttle_s: float = 300.0  # one alert of a kind per this many seconds
+    sink_queue_size: int = 1000  # per sink; when full, metrics are dropped and counted, training never waits
+
+
+@dataclass
+class ChaosConfig:
+    # Fault plan, e.g. ["nan@step=40,rank=1"]; on the command line: --fault nan@step=40,rank=1 (repeatable).
+    faults: list[str] = field(default_factory=list)
+
+
+@dataclass
 class RunConfig:
     run_dir: str = ""  # default: runs/<run_id>
     run_id: str = ""  # default: a timestamp
@@ -90,6 +113,8 @@ class JobConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     @property
@@ -133,6 +158,11 @@ def _coerce(key: str, value: Any, annotation: str) -> Any:
     kind = annotation.replace(" | None", "")
     if value is None:
         return None
+    if kind == "list[str]":
+        items = value.split(";") if isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise ConfigError(f"{key}={value!r}: expected a list of strings; fix the value")
+        return [str(v).strip() for v in items if str(v).strip()]
     try:
         if kind == "int":
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
@@ -198,6 +228,7 @@ def _divisors(n: int) -> list[int]:
 
 def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     """Raises ConfigError for the first problem found. Needs no process group and no data."""
+    from keel.chaos.faults import parse_fault
     from keel.trainer.model import MODEL_PRESETS, model_args
 
     par, tr, m = cfg.parallel, cfg.training, cfg.model
@@ -259,6 +290,15 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"optim.lr={cfg.optim.lr}: must be positive")
     if cfg.optim.warmup_steps < 0:
         raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps}: must be 0 or more")
+    if cfg.monitor.wandb_mode not in ("auto", "offline", "online", "disabled"):
+        raise ConfigError(f"monitor.wandb_mode={cfg.monitor.wandb_mode!r}: choose auto, offline, online or disabled")
+    if not 0 <= cfg.monitor.prometheus_port < 65536:
+        raise ConfigError(f"monitor.prometheus_port={cfg.monitor.prometheus_port}: choose a port in 1-65535 (0: any free port)")
+    for spec in cfg.chaos.faults:
+        try:
+            parse_fault(spec)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if cfg.metrics.comm_sample_every < 1 or cfg.metrics.log_every < 1:
         raise ConfigError("metrics.comm_sample_every and metrics.log_every must be at least 1")
 
@@ -276,6 +316,8 @@ def check_run_dir(run_dir: str) -> None:
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -284,9 +326,9 @@ def _toml_value(value: Any) -> str:
 
 
 def write_resolved_config(cfg: JobConfig, path: Path) -> None:
-    """Writes the config as TOML that load_config reads back to the same JobConfig."""
+    """Writes the config as TOML that load_config reads back, with secrets redacted."""
     lines = []
-    for section, values in cfg.to_dict().items():
+    for section, values in redact(cfg.to_dict()).items():
         lines.append(f"[{section}]")
         lines += [f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None]
         lines.append("")

@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("pp", "dp", "tp", "steps", "seed"):
         p.add_argument(f"--{name}", type=int, help=f"shorthand for --{SHORT_FLAGS[name]}")
     p.add_argument("--run-dir", dest="run_dir", help="output directory (default: runs/<run_id>)")
+    p.add_argument("--fault", action="append", default=[], metavar="KIND@step=S[,rank=R]", help="inject a fault (repeatable)")
     tr = p.add_argument_group("torchrun (multi-node)")
     tr.add_argument("--nnodes", type=int, default=1)
     tr.add_argument("--node-rank", dest="node_rank", type=int)
@@ -69,6 +70,8 @@ def parse_train_args(argv: list[str], world_size: int | None = None) -> tuple[Jo
     """The validated JobConfig and the parsed flags. Raises ConfigError on any bad input."""
     opts, extra = build_parser().parse_known_args(argv)
     overrides = [f"{SHORT_FLAGS[k]}={getattr(opts, k)}" for k in SHORT_FLAGS if getattr(opts, k) is not None]
+    if opts.fault:
+        overrides.append("chaos.faults=" + ";".join(opts.fault))
     cfg = load_config(opts.config, _dotted_overrides(extra) + overrides)
     validate(cfg, world_size)
     return cfg, opts

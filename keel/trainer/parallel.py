@@ -118,7 +118,7 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def build_schedule(cfg: JobConfig, parts: list[Transformer], layout: Layout, device: torch.device):
+def build_schedule(cfg: JobConfig, parts: list[Transformer], layout: Layout, device: torch.device, last_stage_loss):
     """A torch.distributed.pipelining schedule over this rank's stages. Gradients are scaled by
     1/microbatches (scale_grads) so the loss matches the mean over the whole batch."""
     n_stages = cfg.parallel.pp * cfg.parallel.pp_virtual_stages
@@ -129,9 +129,9 @@ def build_schedule(cfg: JobConfig, parts: list[Transformer], layout: Layout, dev
     ]
     kind = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}[cfg.parallel.pp_schedule]
     if issubclass(kind, PipelineScheduleMulti):
-        return kind(stages, n_microbatches=cfg.training.microbatches, loss_fn=loss_fn, scale_grads=True)
+        return kind(stages, n_microbatches=cfg.training.microbatches, loss_fn=last_stage_loss, scale_grads=True)
     assert issubclass(kind, PipelineScheduleSingle)
-    return kind(stages[0], n_microbatches=cfg.training.microbatches, loss_fn=loss_fn, scale_grads=True)
+    return kind(stages[0], n_microbatches=cfg.training.microbatches, loss_fn=last_stage_loss, scale_grads=True)
 
 
 def all_reduce_replicated_grads(parts: list[Transformer], layout: Layout) -> None:

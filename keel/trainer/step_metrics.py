@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from keel.monitor.store import RunStore
+from keel.monitor.recorder import RunRecorder
 from keel.trainer.progress import ProgressLine
 
 
@@ -34,21 +34,22 @@ class StepReporter:
     """Measures step time on this rank, agrees the step's metrics with all ranks, records them."""
 
     def __init__(self, device: torch.device, world: int, tokens_per_step: int, flops_per_token: float,
-                 peak_flops_total: float, store: RunStore | None, progress: ProgressLine | None):
+                 peak_flops_total: float, recorder: RunRecorder | None, progress: ProgressLine | None):
         self.device, self.world = device, world
         self.tokens_per_step, self.flops_per_token, self.peak_flops_total = tokens_per_step, flops_per_token, peak_flops_total
-        self.store, self.progress = store, progress
+        self.recorder, self.progress = recorder, progress
         self.last_comm_share: float | None = 0.0 if world == 1 else None
         self.step_end = time.perf_counter()
 
     def report(self, step: int, attempt: int, lr: float, grad_norm: float, loss: torch.Tensor | None,
-               data_time: float, comm_time: float | None) -> None:
-        """`loss` is None on pipeline ranks without the last stage; `comm_time` None when not measured."""
+               data_time: float, comm_time: float | None, faults_fired: int = 0) -> tuple[dict, list[int]]:
+        """Returns the agreed step row and the ranks that injected a fault this step (the same on every
+        rank). `loss` is None on pipeline ranks without the last stage; `comm_time` None when not measured."""
         now = time.perf_counter()
         step_time, self.step_end = now - self.step_end, now
         mine = [0.0 if loss is None else 1.0, 0.0 if loss is None else loss.item(), step_time,
-                math.nan if comm_time is None else comm_time, data_time, float(peak_memory_bytes(self.device))]
-        has_loss, losses, step_times, comm_times, data_times, mems = gather_rows(mine, self.device, self.world).T
+                math.nan if comm_time is None else comm_time, data_time, float(peak_memory_bytes(self.device)), float(faults_fired)]
+        has_loss, losses, step_times, comm_times, data_times, mems, faults = gather_rows(mine, self.device, self.world).T
         slowest = float(step_times.max())  # a synchronous step is as slow as its slowest rank
         tokens_per_s = self.tokens_per_step / slowest
         mfu = tokens_per_s * self.flops_per_token / self.peak_flops_total
@@ -61,13 +62,14 @@ class StepReporter:
             "mfu": mfu, "comm_share": comm_share, "step_time_s": slowest, "data_time_s": float(data_times.max()),
             "mem_peak_bytes": int(mems.max()), "skipped": 0,
         }
-        if self.store is not None:
+        if self.recorder is not None:
             rank_rows = [
                 {"step": step, "attempt": attempt, "rank": r, "step_time_s": float(step_times[r]),
                  "comm_time_s": None if math.isnan(comm_times[r]) else float(comm_times[r]),
                  "data_time_s": float(data_times[r]), "mem_peak_bytes": int(mems[r])}
                 for r in range(self.world)
             ]
-            self.store.write_step(row, rank_rows)
+            self.recorder.step(row, rank_rows)
         if self.progress is not None:
             self.progress.update(step, row["loss"], tokens_per_s, mfu, self.last_comm_share, slowest)
+        return row, [r for r in range(self.world) if faults[r] > 0]

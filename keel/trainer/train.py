@@ -5,6 +5,7 @@ torchrun directly (`torchrun --nproc-per-node 8 -m keel.trainer.train --config s
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -14,12 +15,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from keel.monitor.store import RunStore
+from keel.chaos.faults import FaultPlan
+from keel.monitor.alerts import Alert
+from keel.monitor.recorder import RunRecorder
+from keel.monitor.redact import redact
 from keel.trainer import comm, flops, parallel
 from keel.trainer.config import ConfigError, JobConfig, write_resolved_config
 from keel.trainer.data import BatchSampler, open_tokens
 from keel.trainer.launch import parse_train_args, resolve_run_dir
 from keel.trainer.model import flops_per_token, model_args
+from keel.trainer.monitoring import build_recorder
 from keel.trainer.optim import build_optimizer, clip_grads, lr_at, set_lr
 from keel.trainer.progress import ProgressLine
 from keel.trainer.step_metrics import StepReporter
@@ -43,9 +48,10 @@ def init_distributed() -> tuple[torch.device, int, int]:
     return device, rank, world
 
 
-def forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast) -> torch.Tensor | None:
+def forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast, loss_hook) -> torch.Tensor | None:
     """Runs one step's forward and backward over all micro-batches. Returns this rank's mean loss,
-    or None on pipeline ranks that do not hold the last stage."""
+    or None on pipeline ranks that do not hold the last stage. `loss_hook` sees every micro-batch
+    loss before backward (the chaos injectors' hook point)."""
     if schedule is not None:
         losses: list[torch.Tensor] = []
         with autocast:
@@ -60,10 +66,22 @@ def forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast) ->
         if parallel.uses_fsdp(cfg):
             model.set_requires_gradient_sync(i == m - 1)  # reduce-scatter once, after the last micro-batch
         with autocast:
-            loss = parallel.loss_fn(model(x), y) / m
+            loss = loss_hook(parallel.loss_fn(model(x), y)) / m
         loss.backward()
         total += loss.detach()
     return total
+
+
+def record_step_events(recorder: RunRecorder, cfg: JobConfig, row: dict, fault_ranks: list[int]) -> None:
+    """Events and alerts that follow from a step's agreed metrics (rank 0 only)."""
+    step, attempt = row["step"], row["attempt"]
+    for r in fault_ranks:
+        recorder.event("fault_injected", f"fault injected on rank {r} at step {step}", severity="warning", step=step, attempt=attempt, rank=r)
+    if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
+        values = {"loss": row["loss"], "grad_norm": row["grad_norm"]}
+        message = f"non-finite step {step}: loss={row['loss']}, grad_norm={row['grad_norm']}"
+        recorder.event("nonfinite", message, severity="critical", step=step, attempt=attempt, data=values)
+        recorder.alert(Alert("nonfinite_loss", "critical", message, cfg.run.run_id, step=step, attempt=attempt, values=values))
 
 
 def train(cfg: JobConfig, device: torch.device, rank: int, world: int) -> None:
@@ -77,7 +95,8 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int) -> None:
     layout = parallel.build_layout(cfg, device)
     args = model_args(cfg)
     parts = parallel.build_model_parts(cfg, args, layout, device, bf16)
-    schedule = parallel.build_schedule(cfg, parts, layout, device) if layout.pp > 1 else None
+    faults = FaultPlan(cfg.chaos.faults, rank)
+    schedule = parallel.build_schedule(cfg, parts, layout, device, lambda logits, y: faults.corrupt_loss(parallel.loss_fn(logits, y))) if layout.pp > 1 else None
     optimizer = build_optimizer(parts, cfg.optim)
     # FSDP applies bf16 itself; everything else gets autocast.
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and not parallel.uses_fsdp(cfg) else nullcontext()
@@ -93,24 +112,25 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int) -> None:
     peak_total = _sum_over_ranks(peak, device, world)
 
     log.info("peak FLOPS: %.3g per device (%s)", peak, basis)
-    store = RunStore(run_dir) if rank == 0 else None
-    if store is not None:
+    recorder = build_recorder(cfg, run_dir) if rank == 0 else None
+    if recorder is not None:
         write_resolved_config(cfg, run_dir / "config.toml")
         for key, value in {
-            "run_id": cfg.run.run_id, "config": cfg.to_dict(), "world_size": world, "device": str(device),
+            "run_id": cfg.run.run_id, "config": redact(cfg.to_dict()), "world_size": world, "device": str(device),
             "mfu_basis": basis, "peak_flops_total": peak_total, "flops_per_token": flop_per_token,
             "data_version": source.version, "data": source.description, "torch_version": torch.__version__,
         }.items():
-            store.set_meta(key, value)
-        store.write_event("run_started", f"{world} processes, pp{layout.pp} dp{layout.dp} tp{layout.tp}", step=0, attempt=0, rank=0)
+            recorder.store.set_meta(key, value)
+        recorder.event("run_started", f"{world} processes, pp{layout.pp} dp{layout.dp} tp{layout.tp}", step=0, attempt=0, rank=0)
     progress = ProgressLine(cfg.training.steps, every=cfg.metrics.log_every) if rank == 0 else None
     if world > 1:
         comm.warm_up_profiler(device.type == "cuda")
-    reporter = StepReporter(device, world, cfg.training.global_batch_size * cfg.data.seq_len, flop_per_token, peak_total, store, progress)
+    reporter = StepReporter(device, world, cfg.training.global_batch_size * cfg.data.seq_len, flop_per_token, peak_total, recorder, progress)
     log.info("starting training")
 
     attempt = 0
     for step in range(1, cfg.training.steps + 1):
+        faults.begin_step(step)
         t0 = time.perf_counter()
         inputs, targets = (torch.from_numpy(t).to(device, non_blocking=True) for t in sampler.next_batch())
         data_time = time.perf_counter() - t0
@@ -119,19 +139,24 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int) -> None:
 
         sample_comm = world > 1 and (step - 2) % cfg.metrics.comm_sample_every == 0
         with comm.sampled_step(sample_comm, device.type == "cuda") as exposed_comm:
-            loss = forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast)
+            loss = forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast, faults.corrupt_loss)
             if cfg.parallel.dp > 1 and cfg.parallel.dp_mode == "replicate":
                 parallel.all_reduce_replicated_grads(parts, layout)
             grad_norm = parallel.global_grad_norm(parts, layout).item()
             clip_grads(parts, cfg.optim.grad_clip, grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        reporter.report(step, attempt, lr, grad_norm, loss, data_time, exposed_comm())
+        row, fault_ranks = reporter.report(step, attempt, lr, grad_norm, loss, data_time, exposed_comm(), len(faults.fired))
+        if recorder is not None:
+            record_step_events(recorder, cfg, row, fault_ranks)
 
-    if store is not None:
+    if recorder is not None:
         progress.finish()
-        store.write_event("run_finished", f"{cfg.training.steps} steps", step=cfg.training.steps, attempt=attempt, rank=0)
-        store.close()
+        recorder.event("run_finished", f"{cfg.training.steps} steps", step=cfg.training.steps, attempt=attempt, rank=0)
+        if cfg.monitor.prometheus_linger_s > 0:
+            log.info("keeping /metrics up for %.0f s (monitor.prometheus_linger_s)", cfg.monitor.prometheus_linger_s)
+            time.sleep(cfg.monitor.prometheus_linger_s)
+        recorder.close()
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

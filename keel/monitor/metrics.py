@@ -1,0 +1,53 @@
+"""Keel's metric vocabulary: every exported metric's name, type, unit and help text, in one place.
+
+Names follow the Prometheus naming guide: a `keel_` prefix, base units (seconds, bytes, ratios
+0..1), `_total` on counters. Every series carries the `run_id` label; per-rank series add `rank`.
+The run store's columns map onto these names; events of some kinds count into the counters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: str  # gauge | counter | histogram
+    unit: str
+    help: str
+    source: str = ""  # the step-row column a gauge reads, or the event kind a counter counts
+
+
+GAUGES = (
+    MetricSpec("keel_loss", "gauge", "", "Training loss of the last step (mean over the global batch).", "loss"),
+    MetricSpec("keel_grad_norm", "gauge", "", "Global gradient L2 norm of the last step, before clipping.", "grad_norm"),
+    MetricSpec("keel_learning_rate", "gauge", "", "Learning rate used by the last step.", "lr"),
+    MetricSpec("keel_tokens_per_second", "gauge", "tokens/s", "Global training throughput of the last step.", "tokens_per_s"),
+    MetricSpec("keel_mfu_ratio", "gauge", "ratio", "Model FLOPs utilization of the last step (0..1).", "mfu"),
+    MetricSpec("keel_comm_share_ratio", "gauge", "ratio", "Exposed communication time / step time, last sampled step (0..1).", "comm_share"),
+    MetricSpec("keel_step", "gauge", "", "Last completed training step.", "step"),
+    MetricSpec("keel_attempt", "gauge", "", "Attempt of the last step (raised by each rollback or restart).", "attempt"),
+    MetricSpec("keel_last_step_timestamp_seconds", "gauge", "seconds", "Unix time at which the last step completed.", "time"),
+    MetricSpec("keel_memory_peak_bytes", "gauge", "bytes", "Peak memory of the busiest rank.", "mem_peak_bytes"),
+    MetricSpec("keel_rank_step_duration_seconds", "gauge", "seconds", "Duration of the last step on each rank.", "step_time_s"),
+)
+
+STEP_DURATION = MetricSpec(
+    "keel_step_duration_seconds", "histogram", "seconds", "Duration of training steps (slowest rank).", "step_time_s"
+)
+STEP_DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+# Counters, each counting run-store events of one kind.
+COUNTERS = (
+    MetricSpec("keel_nonfinite_steps_total", "counter", "", "Steps whose loss or gradient norm was NaN or Inf.", "nonfinite"),
+    MetricSpec("keel_loss_spikes_total", "counter", "", "Loss spikes confirmed by the spike detector.", "spike"),
+    MetricSpec("keel_rollbacks_total", "counter", "", "Rollbacks to an earlier checkpoint.", "rollback"),
+    MetricSpec("keel_skipped_steps_total", "counter", "", "Steps skipped (no update) or batches skipped as bad data.", "skip_data"),
+    MetricSpec("keel_checkpoints_total", "counter", "", "Checkpoints saved.", "checkpoint_saved"),
+    MetricSpec("keel_restarts_total", "counter", "", "Restarts of the worker group.", "restart"),
+    MetricSpec("keel_faults_injected_total", "counter", "", "Faults injected by chaos hooks or drills.", "fault_injected"),
+    MetricSpec("keel_alerts_total", "counter", "", "Alerts raised by Keel, by kind and severity.", "alert"),
+)
+
+ALL = GAUGES + (STEP_DURATION,) + COUNTERS

@@ -1,0 +1,81 @@
+"""Prometheus exporter: serves Keel's metric vocabulary on /metrics (127.0.0.1 by default), and
+optionally pushes the final state to a Pushgateway, for jobs shorter than a scrape interval."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, push_to_gateway, start_http_server
+
+from keel.monitor import metrics
+from keel.monitor.sinks import Event, SinkError
+
+log = logging.getLogger("keel.monitor")
+
+PORT_SEARCH = 20  # a busy port moves the exporter up to this many ports higher
+
+
+def start_exporter(registry: CollectorRegistry, host: str, port: int):
+    """Starts /metrics on host:port, or the next free port when that one is busy. Returns (server, port)."""
+    for candidate in range(port, port + PORT_SEARCH) if port else [0]:
+        try:
+            server, _ = start_http_server(candidate, addr=host, registry=registry)
+        except OSError:
+            continue
+        bound = server.server_address[1]
+        if port and bound != port:
+            log.warning("port %d is in use: Prometheus exporter on %s:%d instead (set monitor.prometheus_port)", port, host, bound)
+        return server, bound
+    raise SinkError(f"monitor.prometheus_port={port}: ports {port}-{port + PORT_SEARCH - 1} on {host} are all in use; choose another port")
+
+
+class PrometheusSink:
+    name = "prometheus"
+
+    def __init__(self, run_id: str, host: str = "127.0.0.1", port: int = 9400, pushgateway_url: str = ""):
+        self.run_id, self.pushgateway_url = run_id, pushgateway_url
+        self.registry = CollectorRegistry()
+        self.gauges = {
+            m.source: Gauge(m.name, m.help, ["run_id"], registry=self.registry)
+            for m in metrics.GAUGES if m.name != "keel_rank_step_duration_seconds"
+        }
+        self.rank_step = Gauge("keel_rank_step_duration_seconds", "Duration of the last step on each rank.", ["run_id", "rank"], registry=self.registry)
+        self.step_duration = Histogram(
+            metrics.STEP_DURATION.name, metrics.STEP_DURATION.help, ["run_id"], buckets=metrics.STEP_DURATION_BUCKETS, registry=self.registry
+        )
+        self.counters = {}
+        for m in metrics.COUNTERS:
+            labels = ["run_id", "kind", "severity"] if m.source == "alert" else ["run_id"]
+            # prometheus_client adds _total itself; the vocabulary spells the exported name.
+            self.counters[m.source] = Counter(m.name.removesuffix("_total"), m.help, labels, registry=self.registry)
+            if m.source != "alert":
+                self.counters[m.source].labels(run_id).inc(0)  # present from the start, so increase() sees the first event
+        self.server, self.port = start_exporter(self.registry, host, port)
+        log.info("Prometheus exporter on http://%s:%d/metrics", host, self.port)
+
+    def on_step(self, row: dict[str, Any], rank_rows: list[dict[str, Any]]) -> None:
+        for column, gauge in self.gauges.items():
+            value = row.get(column)
+            if value is not None:
+                gauge.labels(self.run_id).set(value)
+        self.step_duration.labels(self.run_id).observe(row["step_time_s"])
+        for r in rank_rows:
+            self.rank_step.labels(self.run_id, str(r["rank"])).set(r["step_time_s"])
+
+    def on_event(self, event: Event) -> None:
+        kind = event["kind"]
+        if kind == "alert":
+            self.counters["alert"].labels(self.run_id, event["data"].get("alert", ""), event["severity"]).inc()
+        elif kind in self.counters:
+            self.counters[kind].labels(self.run_id).inc()
+
+    def close(self) -> None:
+        try:
+            if self.pushgateway_url:
+                push_to_gateway(self.pushgateway_url, job="keel", registry=self.registry, grouping_key={"run_id": self.run_id}, timeout=5)
+        except Exception as e:
+            log.warning("push to the Pushgateway failed (%s); check monitor.pushgateway_url", e)
+        finally:
+            self.server.shutdown()
+            self.server.server_close()

@@ -1,0 +1,36 @@
+"""What the trainer talks to: the run store (written synchronously, so a killed run keeps every
+committed step), the sinks (fed off the training thread), and the alert router."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from keel.monitor.alerts import Alert, AlertRouter
+from keel.monitor.sinks import Publisher, Sink
+from keel.monitor.store import RunStore
+
+
+class RunRecorder:
+    def __init__(self, run_id: str, store: RunStore, sinks: list[Sink], alert_throttle_s: float = 300.0, queue_size: int = 1000):
+        self.store = store
+        self.publisher = Publisher(sinks, queue_size)
+        self.alerts = AlertRouter(run_id, store, self.publisher, throttle_s=alert_throttle_s)
+
+    def step(self, row: dict[str, Any], rank_rows: list[dict[str, Any]]) -> None:
+        self.store.write_step(row, rank_rows)
+        self.publisher.publish_step(row, rank_rows)
+
+    def event(self, kind: str, message: str, *, severity: str = "info", step: int | None = None,
+              attempt: int | None = None, rank: int | None = None, data: dict | None = None) -> None:
+        now = time.time()
+        self.store.write_event(kind, message, severity=severity, step=step, attempt=attempt, rank=rank, data=data, time=now)
+        self.publisher.publish_event({"time": now, "step": step, "attempt": attempt, "rank": rank, "kind": kind,
+                                      "severity": severity, "message": message, "data": data or {}})
+
+    def alert(self, alert: Alert) -> bool:
+        return self.alerts.raise_alert(alert)
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.store.close()

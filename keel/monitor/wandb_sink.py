@@ -1,0 +1,132 @@
+"""Weights & Biases channel: step metrics to the run's history, alerts to W&B alerts (email/Slack per the
+user's W&B settings).
+
+mode "auto" logs online only when an API key is at hand (WANDB_API_KEY or a `wandb login` entry in
+~/.netrc) and otherwise offline, under RUN_DIR/wandb/, for a later `wandb sync`. Offline never waits on
+or talks to the network. wandb is imported only when this sink is built, so Keel runs without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from keel.monitor.alerts import describe
+from keel.monitor.redact import redact, redact_argv
+from keel.monitor.sinks import Event, SinkError
+
+log = logging.getLogger("keel.monitor")
+
+MODES = ("auto", "online", "offline", "disabled")
+
+# Step-row columns logged to W&B; the rest (time, tokens, skipped) are in the run store.
+_LOGGED = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "comm_share", "step_time_s", "data_time_s",
+           "mem_peak_bytes", "attempt")
+
+# An online wandb.init that cannot reach the server gives up after this long instead of wandb's 90 s.
+_INIT_TIMEOUT_S = 30.0
+
+
+class WandbSink:
+    name = "wandb"
+
+    def __init__(
+        self,
+        run_id: str,
+        config: dict[str, Any],
+        project: str = "keel",
+        mode: str = "auto",
+        *,
+        run_dir: str | Path,
+        alert_throttle_s: float = 300.0,
+    ) -> None:
+        if mode not in MODES:
+            raise SinkError(f"monitor.wandb_mode={mode!r} is not one of {', '.join(MODES)}")
+        try:
+            import wandb
+        except ImportError:
+            raise SinkError("W&B logging needs the wandb package: pip install wandb, or set monitor.wandb_mode=disabled") from None
+        run_dir = Path(run_dir)
+        if mode == "auto":
+            mode = "online" if _api_key_available() else "offline"
+            if mode == "offline":
+                log.info("W&B: no API key (WANDB_API_KEY or `wandb login`), logging offline to %s/wandb;"
+                         " upload later with `wandb sync %s/wandb/offline-run-*`", run_dir, run_dir)
+        self.mode = mode
+        self.alert_throttle_s = alert_throttle_s
+        self._levels = {
+            "critical": wandb.AlertLevel.ERROR,
+            "warning": wandb.AlertLevel.WARN,
+            "info": wandb.AlertLevel.INFO,
+        }
+        # console="off": Keel keeps its own logs, and wandb's capture would rewrap sys.stdout for everyone.
+        # reinit="create_new": a run the user's own code opened is left alone.
+        settings = wandb.Settings(mode=mode, silent=True, console="off", reinit="create_new", init_timeout=_INIT_TIMEOUT_S)
+        run_dir.mkdir(parents=True, exist_ok=True)  # wandb warns about a missing git root otherwise
+        # wandb uploads the command line with the run, so `--monitor.webhook_url=...` would go with it.
+        argv, sys.argv = sys.argv, redact_argv(sys.argv)
+        try:
+            # The process-wide settings matter too: wandb's own usage telemetry follows them, not the run's,
+            # and would post to the W&B server at exit even from an offline run. Setting them here rather
+            # than WANDB_MODE/WANDB_SILENT keeps os.environ (inherited by workers) as the user left it.
+            wandb.setup(wandb.Settings(mode=mode, silent=True))
+            self._run = wandb.init(
+                project=project,
+                id=run_id,
+                name=run_id,
+                dir=run_dir,
+                config=redact(config),
+                resume="allow",
+                settings=settings,
+            )
+            # After a rollback step numbers repeat, and W&B drops rows whose step goes back: let wandb's
+            # own step count rows and plot everything against train/step.
+            self._run.define_metric("train/step")
+            self._run.define_metric("*", step_metric="train/step")
+        except Exception as e:
+            raise SinkError(
+                f"W&B could not start the run ({type(e).__name__}: {e}): set WANDB_API_KEY or run `wandb login`,"
+                f" or set monitor.wandb_mode=offline; sync later with `wandb sync {run_dir}/wandb/offline-run-*`"
+            ) from None
+        finally:
+            sys.argv = argv
+
+    def on_step(self, row: dict[str, Any], rank_rows: list[dict[str, Any]]) -> None:
+        values = {f"train/{key}": row[key] for key in _LOGGED if row.get(key) is not None}
+        self._run.log({"train/step": row["step"], **values})
+
+    def on_event(self, event: Event) -> None:
+        # Offline, W&B would deliver an alert only at a later `wandb sync`, when it is stale; the run
+        # store and the other channels have it already.
+        if event.get("kind") != "alert" or self.mode != "online":
+            return
+        data = event.get("data") or {}
+        values = " ".join(f"{k}={v}" for k, v in data.get("values", {}).items())
+        self._run.alert(
+            title=f"keel: {data.get('alert')}",
+            text=f"{describe(event)} ({values})" if values else describe(event),
+            level=self._levels.get(str(event.get("severity")), self._levels["info"]),
+            wait_duration=self.alert_throttle_s,
+        )
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def _api_key_available() -> bool:
+    """Whether wandb would find an API key: WANDB_API_KEY, or a `wandb login` entry in the netrc file."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        import wandb
+        from wandb.sdk.lib.wbauth import read_netrc_auth  # wandb's own lookup: NETRC, ~/.netrc, host aliases
+
+        base_url = os.environ.get("WANDB_BASE_URL") or wandb.Settings().base_url
+        return read_netrc_auth(host=base_url) is not None
+    except ImportError:  # that internal module moved: offline is the choice that never waits or prompts
+        return False
+    except Exception:  # a malformed key: go online, where wandb.init reports it and we add the fix
+        return True
