@@ -6,12 +6,23 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, push_to_gateway, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    push_to_gateway,
+    start_http_server,
+)
 
 from keel.monitor import metrics
 from keel.monitor.sinks import Event, SinkError
 
 log = logging.getLogger("keel.monitor")
+
+# The *_created series would double the series count; no rule or dashboard uses them.
+disable_created_metrics()
 
 PORT_SEARCH = 20  # a busy port moves the exporter up to this many ports higher
 
