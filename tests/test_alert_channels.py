@@ -294,7 +294,7 @@ def test_redact_argv_hides_secret_overrides():
 # variables) that must not leak into other tests. Host lookups from Python are recorded to show that an
 # offline run stays off the network, up to and including interpreter exit.
 _WANDB_SCRIPT = """
-import atexit, json, socket, sys, time
+import atexit, json, os, socket, sys, time
 lookups = []
 real_getaddrinfo = socket.getaddrinfo
 def recording_getaddrinfo(host, *args, **kwargs):
@@ -309,7 +309,7 @@ from keel.monitor.wandb_sink import WandbSink
 start = time.monotonic()
 config = json.loads(open(sys.argv[3]).read())
 try:
-    sink = WandbSink("run-42", config, mode=sys.argv[4], run_dir=sys.argv[1])
+    sink = WandbSink("run-42", config, mode=sys.argv[4], run_dir=sys.argv[1], min_interval_s=float(os.environ.get("MIN_INTERVAL_S", "0")))
 except SinkError as e:
     print(json.dumps({"error": str(e)}))
     sys.exit(0)
@@ -396,6 +396,16 @@ def test_wandb_without_api_key_logs_offline_into_the_run_dir(tmp_path):
         if path.name == "config.json":  # the test's own input
             continue
         assert not path.is_file() or SECRET_PATH.encode() not in path.read_bytes(), path
+
+
+def test_wandb_rate_bound_keeps_rollbacks_and_the_last_step(tmp_path):
+    """With steps faster than min_interval_s, W&B gets the first step, the last step of the abandoned
+    attempt and the first of the new one around a rollback, and the last step at close."""
+    _, _, _ = run_wandb_child(tmp_path, {"model": {}}, mode="offline", MIN_INTERVAL_S="3600")
+    [run_file] = (tmp_path / "run" / "wandb").glob("offline-run-*-run-42/run-run-42.wandb")
+    history = [{"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in r.history.item}
+               for r in wandb_records(run_file) if r.WhichOneof("record_type") == "history"]
+    assert [(row["train/step"], row["train/attempt"]) for row in history] == [(1, 0), (3, 0), (2, 1), (4, 1)]
 
 
 def test_wandb_bad_api_key_fails_with_the_fix(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,8 @@ class WandbSink:
         *,
         run_dir: str | Path,
         alert_throttle_s: float = 300.0,
+        min_interval_s: float = 0.0,
+        clock=time.monotonic,
     ) -> None:
         if mode not in MODES:
             raise SinkError(f"monitor.wandb_mode={mode!r} is not one of {', '.join(MODES)}")
@@ -57,6 +60,10 @@ class WandbSink:
                          " upload later with `wandb sync %s/wandb/offline-run-*`", run_dir, run_dir)
         self.mode = mode
         self.alert_throttle_s = alert_throttle_s
+        self.min_interval_s, self._clock = min_interval_s, clock
+        self._last_logged_at: float | None = None
+        self._last_attempt: int | None = None
+        self._held: dict[str, Any] | None = None  # the newest step not logged yet
         self._levels = {
             "critical": wandb.AlertLevel.ERROR,
             "warning": wandb.AlertLevel.WARN,
@@ -95,8 +102,22 @@ class WandbSink:
             sys.argv = argv
 
     def on_step(self, row: dict[str, Any], rank_rows: list[dict[str, Any]]) -> None:
+        """Logs the step, unless one was logged less than min_interval_s ago: a wandb.log costs about
+        1 ms of CPU in the training process, too much for steps of a few ms. The run store and
+        Prometheus keep every step; W&B then gets the newest step at most every min_interval_s, the
+        last and first step around each new attempt (a rollback stays visible), and the last step at close."""
         values = {f"train/{key}": row[key] for key in _LOGGED if row.get(key) is not None}
+        now = self._clock()
+        new_attempt = row.get("attempt") != self._last_attempt
+        if new_attempt and self._held is not None:
+            self._run.log(self._held)  # where the abandoned attempt ended (a spike, say) stays visible
+        due = new_attempt or self._last_logged_at is None or now - self._last_logged_at >= self.min_interval_s
+        self._last_attempt = row.get("attempt")
+        if not due:
+            self._held = {"train/step": row["step"], **values}
+            return
         self._run.log({"train/step": row["step"], **values})
+        self._last_logged_at, self._held = now, None
 
     def on_event(self, event: Event) -> None:
         # Offline, W&B would deliver an alert only at a later `wandb sync`, when it is stale; the run
@@ -113,6 +134,8 @@ class WandbSink:
         )
 
     def close(self) -> None:
+        if self._held is not None:
+            self._run.log(self._held)
         self._run.finish()
 
 

@@ -88,6 +88,7 @@ class MonitorConfig:
     wandb: bool = False
     wandb_project: str = "keel"
     wandb_mode: str = "auto"  # auto: online with an API key, offline without; offline | online | disabled
+    wandb_min_interval_s: float = 1.0  # at most one W&B log per this many seconds (every step if steps are slower)
     webhook_url: str = ""  # Slack-compatible incoming webhook for Keel's alerts (a secret: never written out)
     alert_throttle_s: float = 300.0  # one alert of a kind per this many seconds
     sink_queue_size: int = 1000  # per sink; when full, metrics are dropped and counted, training never waits

@@ -48,10 +48,10 @@ def init_distributed() -> tuple[torch.device, int, int]:
     return device, rank, world
 
 
-def forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast, loss_hook) -> torch.Tensor | None:
+def forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast, step_loss) -> torch.Tensor | None:
     """Runs one step's forward and backward over all micro-batches. Returns this rank's mean loss,
-    or None on pipeline ranks that do not hold the last stage. `loss_hook` sees every micro-batch
-    loss before backward (the chaos injectors' hook point)."""
+    or None on pipeline ranks that do not hold the last stage. `step_loss(logits, targets)` is the
+    loss of one micro-batch (the pipeline schedule was built with the same function)."""
     if schedule is not None:
         losses: list[torch.Tensor] = []
         with autocast:
@@ -66,7 +66,7 @@ def forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast, lo
         if parallel.uses_fsdp(cfg):
             model.set_requires_gradient_sync(i == m - 1)  # reduce-scatter once, after the last micro-batch
         with autocast:
-            loss = loss_hook(parallel.loss_fn(model(x), y)) / m
+            loss = step_loss(model(x), y) / m
         loss.backward()
         total += loss.detach()
     return total
@@ -96,7 +96,11 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int) -> None:
     args = model_args(cfg)
     parts = parallel.build_model_parts(cfg, args, layout, device, bf16)
     faults = FaultPlan(cfg.chaos.faults, rank)
-    schedule = parallel.build_schedule(cfg, parts, layout, device, lambda logits, y: faults.corrupt_loss(parallel.loss_fn(logits, y))) if layout.pp > 1 else None
+
+    def step_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return faults.corrupt_loss(parallel.loss_fn(logits, targets))  # the chaos hook point on the loss
+
+    schedule = parallel.build_schedule(cfg, parts, layout, device, step_loss) if layout.pp > 1 else None
     optimizer = build_optimizer(parts, cfg.optim)
     # FSDP applies bf16 itself; everything else gets autocast.
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and not parallel.uses_fsdp(cfg) else nullcontext()
@@ -139,7 +143,7 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int) -> None:
 
         sample_comm = world > 1 and (step - 2) % cfg.metrics.comm_sample_every == 0
         with comm.sampled_step(sample_comm, device.type == "cuda") as exposed_comm:
-            loss = forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast, faults.corrupt_loss)
+            loss = forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast, step_loss)
             if cfg.parallel.dp > 1 and cfg.parallel.dp_mode == "replicate":
                 parallel.all_reduce_replicated_grads(parts, layout)
             grad_norm = parallel.global_grad_norm(parts, layout).item()
@@ -175,6 +179,9 @@ def _setup_logging(run_dir: Path, rank: int) -> None:
     handler = logging.FileHandler(run_dir / "logs" / f"rank-{rank}.log")
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("keel")
+    for old in list(root.handlers):  # a second train() in one process (benchmarks) logs to its own run only
+        root.removeHandler(old)
+        old.close()
     root.setLevel(logging.INFO)
     root.addHandler(handler)
     if rank == 0:
