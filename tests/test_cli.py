@@ -19,8 +19,10 @@ def test_run_directory_contract(reference_dir):
     assert (reference_dir / "run.sqlite").is_file()
     assert load_config(str(reference_dir / "config.toml")).training.steps == 20
     assert (reference_dir / "logs" / "rank-0.log").is_file()
-    kinds = list(read_events(reference_dir).kind)
-    assert kinds == ["run_started", "run_finished"]
+    events = read_events(reference_dir)
+    assert list(events.kind) == ["run_started", "run_finished", "sinks_closed"]
+    prometheus = events.iloc[-1].data["prometheus"]  # the exporter is on by default
+    assert prometheus["dropped"] == 0 and prometheus["failures"] == 0 and prometheus["cpu_s"] > 0
 
 
 def test_keel_metrics_table_and_csv(reference_dir, reference_run):

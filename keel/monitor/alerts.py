@@ -19,6 +19,7 @@ from keel.monitor.store import RunStore
 
 log = logging.getLogger("keel.alerts")
 
+
 @dataclass
 class Alert:
     name: str  # e.g. "nonfinite_loss", "loss_spike", "straggler"

@@ -47,14 +47,16 @@ class PrometheusSink:
     def __init__(self, run_id: str, host: str = "127.0.0.1", port: int = 9400, pushgateway_url: str = ""):
         self.run_id, self.pushgateway_url = run_id, pushgateway_url
         self.registry = CollectorRegistry()
+        # The labelled children are looked up once: .labels() takes a lock and a dict lookup per call.
         self.gauges = {
-            m.source: Gauge(m.name, m.help, ["run_id"], registry=self.registry)
+            m.source: Gauge(m.name, m.help, ["run_id"], registry=self.registry).labels(run_id)
             for m in metrics.GAUGES if m.name != "keel_rank_step_duration_seconds"
         }
         self.rank_step = Gauge("keel_rank_step_duration_seconds", "Duration of the last step on each rank.", ["run_id", "rank"], registry=self.registry)
+        self.rank_children: dict[int, Any] = {}
         self.step_duration = Histogram(
             metrics.STEP_DURATION.name, metrics.STEP_DURATION.help, ["run_id"], buckets=metrics.STEP_DURATION_BUCKETS, registry=self.registry
-        )
+        ).labels(run_id)
         self.counters = {}
         for m in metrics.COUNTERS:
             labels = ["run_id", "kind", "severity"] if m.source == "alert" else ["run_id"]
@@ -69,10 +71,13 @@ class PrometheusSink:
         for column, gauge in self.gauges.items():
             value = row.get(column)
             if value is not None:
-                gauge.labels(self.run_id).set(value)
-        self.step_duration.labels(self.run_id).observe(row["step_time_s"])
+                gauge.set(value)
+        self.step_duration.observe(row["step_time_s"])
         for r in rank_rows:
-            self.rank_step.labels(self.run_id, str(r["rank"])).set(r["step_time_s"])
+            child = self.rank_children.get(r["rank"])
+            if child is None:
+                child = self.rank_children[r["rank"]] = self.rank_step.labels(self.run_id, str(r["rank"]))
+            child.set(r["step_time_s"])
 
     def on_event(self, event: Event) -> None:
         kind = event["kind"]

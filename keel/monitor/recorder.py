@@ -32,5 +32,10 @@ class RunRecorder:
         return self.alerts.raise_alert(alert)
 
     def close(self) -> None:
+        """Drains and closes the sinks, then records what each cost and lost (event `sinks_closed`)."""
         self.publisher.close()
+        stats = self.publisher.stats()
+        if stats:
+            summary = ", ".join(f"{name}: {s['cpu_s']:.3f} s CPU, {s['dropped']} dropped, {s['failures']} failed" for name, s in stats.items())
+            self.store.write_event("sinks_closed", summary, data=stats)
         self.store.close()

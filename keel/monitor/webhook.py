@@ -29,6 +29,7 @@ _COLORS = {"critical": "#d93025", "warning": "#f29900", "info": "#9aa0a6"}  # re
 
 class WebhookSink:
     name = "webhook"
+    wants_steps = False  # alerts only: the publisher does not wake this sink for every step
 
     def __init__(self, url: str, timeout_s: float = 2.0, retries: int = 3, backoff_s: float = 0.5) -> None:
         try:
