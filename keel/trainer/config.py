@@ -15,7 +15,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from keel.monitor.detectors import SpikeConfig
 from keel.monitor.redact import redact
+from keel.monitor.stragglers import StragglerConfig
 
 
 class ConfigError(ValueError):
@@ -39,6 +41,9 @@ class DataConfig:
     # uint16 token file (nanoGPT's .bin format), made with `keel prepare-data`.
     source: str = "builtin"
     seq_len: int = 64
+    # Batch index ranges never read, e.g. ["80:107"] (end excluded): a run that skips what another
+    # run's rollback skipped, for a like-for-like comparison (the rollback event says which batches).
+    skip_batches: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -95,6 +100,39 @@ class MonitorConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # A save starts when either interval is reached (0 turns that interval off). Both off: no checkpoints.
+    interval_steps: int = 0
+    interval_minutes: float = 30.0  # the seed chapter's default
+    keep: int = 3  # the newest K checkpoints are kept ...
+    keep_lookback_steps: int = 200  # ... plus the newest one at least this many steps older, for a rollback past them
+    async_save: bool = True  # training goes on while the shards are written
+
+
+@dataclass
+class RecoveryConfig:
+    nonfinite_limit: int = 3  # this many non-finite steps in a row (each skipped) trigger a rollback
+    rollback: bool = True  # roll back on a confirmed loss spike or nonfinite_limit; false: alert only
+    skip_data: bool = True  # after a rollback, skip the batches read since the checkpoint ...
+    skip_margin: int = 5  # ... and this many more
+    lr_factor: float = 1.0  # multiply the LR by this after a rollback ...
+    lr_factor_steps: int = 0  # ... for this many steps (0: no change)
+    max_rollbacks: int = 3  # rollbacks without getting past the last rollback's step before the run stops
+    oom_halve_microbatch: bool = True  # on out-of-memory, retry with half the micro-batch (twice the micro-batches)
+
+
+@dataclass
+class WatchdogConfig:
+    enabled: bool = True
+    floor_s: float = 60.0  # a step may always take this long
+    step_factor: float = 5.0  # ... or this many times the longest step seen after warmup_steps
+    warmup_steps: int = 3  # steps timed by startup_s (compilation, first allocations)
+    startup_s: float = 600.0  # start-up until the first step ends: process group, model build, resume
+    checkpoint_s: float = 600.0  # a checkpoint save or load
+    poll_s: float = 1.0  # how often the watchdog looks
+
+
+@dataclass
 class ChaosConfig:
     # Fault plan, e.g. ["nan@step=40,rank=1"]; on the command line: --fault nan@step=40,rank=1 (repeatable).
     faults: list[str] = field(default_factory=list)
@@ -104,6 +142,7 @@ class ChaosConfig:
 class RunConfig:
     run_dir: str = ""  # default: runs/<run_id>
     run_id: str = ""  # default: a timestamp
+    resume: bool = False  # start from the newest good checkpoint in run_dir (keel train --resume RUN_DIR)
 
 
 @dataclass
@@ -115,6 +154,11 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
@@ -230,6 +274,7 @@ def _divisors(n: int) -> list[int]:
 def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     """Raises ConfigError for the first problem found. Needs no process group and no data."""
     from keel.chaos.faults import parse_fault
+    from keel.trainer.data import parse_skip_ranges
     from keel.trainer.model import MODEL_PRESETS, model_args
 
     par, tr, m = cfg.parallel, cfg.training, cfg.model
@@ -287,6 +332,10 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         )
     if cfg.data.seq_len < 1:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len}: must be at least 1")
+    try:
+        parse_skip_ranges(cfg.data.skip_batches)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr={cfg.optim.lr}: must be positive")
     if cfg.optim.warmup_steps < 0:
@@ -302,6 +351,48 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             raise ConfigError(str(e)) from None
     if cfg.metrics.comm_sample_every < 1 or cfg.metrics.log_every < 1:
         raise ConfigError("metrics.comm_sample_every and metrics.log_every must be at least 1")
+    _validate_stability(cfg)
+
+
+def _at_least(name: str, value: float, low: float, fix: str = "") -> None:
+    if not value >= low:
+        raise ConfigError(f"{name}={value}: must be at least {low}{'; ' + fix if fix else ''}")
+
+
+def _validate_stability(cfg: JobConfig) -> None:
+    ck, rc, wd, sp, st = cfg.checkpoint, cfg.recovery, cfg.watchdog, cfg.spike, cfg.stragglers
+    _at_least("checkpoint.interval_steps", ck.interval_steps, 0, "0 turns step-based saves off")
+    _at_least("checkpoint.interval_minutes", ck.interval_minutes, 0, "0 turns time-based saves off")
+    _at_least("checkpoint.keep", ck.keep, 1)
+    _at_least("checkpoint.keep_lookback_steps", ck.keep_lookback_steps, 0)
+    _at_least("recovery.nonfinite_limit", rc.nonfinite_limit, 1)
+    _at_least("recovery.skip_margin", rc.skip_margin, 0)
+    _at_least("recovery.max_rollbacks", rc.max_rollbacks, 0)
+    _at_least("recovery.lr_factor_steps", rc.lr_factor_steps, 0)
+    if not 0 < rc.lr_factor <= 1:
+        raise ConfigError(f"recovery.lr_factor={rc.lr_factor}: must be in (0, 1]; 1 keeps the LR after a rollback")
+    for name in ("floor_s", "startup_s", "checkpoint_s", "poll_s"):
+        if not getattr(wd, name) > 0:
+            raise ConfigError(f"watchdog.{name}={getattr(wd, name)}: must be positive (seconds)")
+    _at_least("watchdog.step_factor", wd.step_factor, 1.0)
+    _at_least("watchdog.warmup_steps", wd.warmup_steps, 0)
+    _at_least("spike.window", sp.window, 2)
+    _at_least("spike.min_baseline", sp.min_baseline, 2)
+    if sp.min_baseline > sp.window:
+        raise ConfigError(f"spike.min_baseline={sp.min_baseline} is larger than spike.window={sp.window}; lower it or widen the window")
+    _at_least("spike.persistence", sp.persistence, 1)
+    _at_least("spike.warmup_steps", sp.warmup_steps, 0)
+    for name in ("sigmas", "grad_sigmas"):
+        if not getattr(sp, name) > 0:
+            raise ConfigError(f"spike.{name}={getattr(sp, name)}: must be positive")
+    for name in ("ratio", "grad_ratio"):
+        if not getattr(sp, name) > 1:
+            raise ConfigError(f"spike.{name}={getattr(sp, name)}: must be above 1 (a multiple of the baseline)")
+    _at_least("stragglers.window", st.window, 1)
+    if not 1 <= st.min_samples <= st.window:
+        raise ConfigError(f"stragglers.min_samples={st.min_samples}: must be between 1 and stragglers.window={st.window}")
+    if not 0 < st.threshold <= 1:
+        raise ConfigError(f"stragglers.threshold={st.threshold}: must be in (0, 1]; 0.75 flags a rank 33% slower than the fastest")
 
 
 def check_run_dir(run_dir: str) -> None:

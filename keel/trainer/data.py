@@ -152,7 +152,8 @@ def prepare_data_main(argv: list[str]) -> int:
 class BatchSampler:
     """Random fixed-length windows of `tokens`. Each dp rank reads its own rows of the global batch."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, dp_rank: int, dp_size: int, seed: int):
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, dp_rank: int, dp_size: int, seed: int,
+                 skip_ranges: list[tuple[int, int]] = ()):
         if global_batch_size % dp_size:
             raise ValueError(f"global_batch_size={global_batch_size} is not divisible by dp_size={dp_size}")
         if not 0 <= dp_rank < dp_size:
@@ -166,10 +167,15 @@ class BatchSampler:
         self.dp_rank = dp_rank
         self.seed = seed
         self.batch_index = 0  # the next batch to be read
+        # Batches [first, end) never read: reaching `first` jumps to `end`. This is how a run reproduces
+        # another run's rollback, which skipped the same window.
+        self.skip_ranges = dict(skip_ranges)
         self._window = np.arange(seq_len + 1)
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
         """(inputs, targets), int64 [global_batch_size // dp_size, seq_len]; targets are inputs shifted by one."""
+        while self.batch_index in self.skip_ranges:
+            self.batch_index = self.skip_ranges[self.batch_index]
         # Every rank draws the whole global batch and keeps its own rows, so the union over dp ranks
         # is exactly the single-process batch whatever dp_size is.
         rng = np.random.default_rng([self.seed, self.batch_index])
@@ -193,3 +199,14 @@ class BatchSampler:
         # The seed travels with the position: the same batch_index under another seed is other data.
         self.seed = int(state["seed"])
         self.batch_index = int(state["batch_index"])
+
+
+def parse_skip_ranges(specs: list[str]) -> list[tuple[int, int]]:
+    """["80:107"] -> [(80, 107)]: batch index ranges, end excluded. Raises ValueError naming the bad one."""
+    ranges = []
+    for spec in specs:
+        first, sep, end = spec.partition(":")
+        if not (sep and first.isdigit() and end.isdigit() and int(first) < int(end)):
+            raise ValueError(f"data.skip_batches: bad range '{spec}'; write FIRST:END with whole numbers, FIRST < END")
+        ranges.append((int(first), int(end)))
+    return ranges

@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from keel.monitor.redact import REDACTED
 from keel.trainer.config import ConfigError, JobConfig, check_run_dir, load_config, validate
 from keel.trainer.data import open_tokens
 
@@ -35,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=int, help=f"shorthand for --{SHORT_FLAGS[name]}")
     p.add_argument("--run-dir", dest="run_dir", help="output directory (default: runs/<run_id>)")
     p.add_argument("--fault", action="append", default=[], metavar="KIND@step=S[,rank=R]", help="inject a fault (repeatable)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest good checkpoint, with its config.toml "
+                   "(flags and overrides given here still apply, e.g. --steps to train longer)")
     tr = p.add_argument_group("torchrun (multi-node)")
     tr.add_argument("--nnodes", type=int, default=1)
     tr.add_argument("--node-rank", dest="node_rank", type=int)
@@ -43,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--rdzv-id", dest="rdzv_id")
     tr.add_argument("--master-addr", dest="master_addr")
     tr.add_argument("--master-port", dest="master_port", type=int)
-    tr.add_argument("--max-restarts", dest="max_restarts", type=int, default=0)
+    tr.add_argument("--max-restarts", dest="max_restarts", type=int, default=3,
+                    help="torchrun restarts the workers this many times after a failure (hang, crash, OOM); default 3")
     return p
 
 
@@ -72,9 +77,31 @@ def parse_train_args(argv: list[str], world_size: int | None = None) -> tuple[Jo
     overrides = [f"{SHORT_FLAGS[k]}={getattr(opts, k)}" for k in SHORT_FLAGS if getattr(opts, k) is not None]
     if opts.fault:
         overrides.append("chaos.faults=" + ";".join(opts.fault))
-    cfg = load_config(opts.config, _dotted_overrides(extra) + overrides)
+    source = opts.config
+    if opts.resume:
+        source = str(resume_config(opts.resume))
+        overrides += [f"run.run_dir={opts.resume}", "run.resume=true"]
+    cfg = load_config(source, _dotted_overrides(extra) + overrides)
+    if opts.resume:
+        _forget_redacted_secrets(cfg)
     validate(cfg, world_size)
     return cfg, opts
+
+
+def resume_config(run_dir: str) -> Path:
+    path = Path(run_dir) / "config.toml"
+    if not path.is_file():
+        raise ConfigError(f"--resume {run_dir}: no config.toml there; pass the run directory of an earlier `keel train`")
+    return path
+
+
+def _forget_redacted_secrets(cfg: JobConfig) -> None:
+    """A resumed run reads a config.toml whose secrets were redacted: they come from the environment
+    again (KEEL_WEBHOOK_URL, WANDB_API_KEY), never from the placeholder."""
+    for section in vars(cfg).values():
+        for key, value in vars(section).items():
+            if value == REDACTED:
+                setattr(section, key, "")
 
 
 def resolve_run_dir(cfg: JobConfig) -> None:
@@ -110,15 +137,48 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"keel train: error: {e}", file=sys.stderr)
         return 2
-    Path(cfg.run.run_dir).mkdir(parents=True, exist_ok=True)
+    run_dir = Path(cfg.run.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     print(f"keel train: {cfg.world_size} processes (pp{cfg.parallel.pp} dp{cfg.parallel.dp} tp{cfg.parallel.tp}), run dir {cfg.run.run_dir}", flush=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **nccl_resilience_env(run_dir)}
     # Share the cores among the local workers (torchrun would pin every worker to 1 thread).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (cfg.world_size // opts.nnodes))))
     try:
-        return subprocess.call(cmd, env=env)
+        code = subprocess.call(cmd, env=env)
     except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the workers
         return 130
+    return exit_code_of_run(run_dir, code)
+
+
+def nccl_resilience_env(run_dir: Path) -> dict[str, str]:
+    """On GPUs: NCCL errors and timeouts end the process (so torchrun can restart it) instead of hanging,
+    and the flight recorder dumps the last collectives of every rank to RUN_DIR/dumps/ on a timeout.
+    A user's own setting wins. (No effect with gloo on CPU.)"""
+    wanted = {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": str((run_dir / "dumps" / "nccl_trace_rank_").resolve()),
+    }
+    return {k: v for k, v in wanted.items() if k not in os.environ}
+
+
+def exit_code_of_run(run_dir: Path, torchrun_code: int) -> int:
+    """torchrun reports 1 for any failure; the run store says which (see keel.trainer.exits)."""
+    from keel.monitor.store import read_events
+    from keel.trainer.exits import EXIT_FAILED, EXIT_HANG, EXIT_OOM
+
+    try:
+        events = read_events(run_dir)
+    except (FileNotFoundError, sqlite3.Error):
+        return torchrun_code
+    endings = events[events["kind"].isin(["run_started", "run_finished", "run_stopped", "hang", "oom"])]
+    last = endings.iloc[-1] if len(endings) else None
+    if last is not None and last["kind"] == "run_stopped":
+        return int(last["data"]["exit_code"])
+    if torchrun_code == 0:
+        return 0
+    return {"hang": EXIT_HANG, "oom": EXIT_OOM}.get(None if last is None else last["kind"], EXIT_FAILED)
 
 
 def _strip_torchrun_values(argv: list[str]) -> list[str]:

@@ -5,6 +5,7 @@ file only decides how the Llama blocks map onto it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -148,8 +149,10 @@ def all_reduce_replicated_grads(parts: list[Transformer], layout: Layout) -> Non
         offset += g.numel()
 
 
-def global_grad_norm(parts: list[Transformer], layout: Layout) -> torch.Tensor:
-    """The L2 norm of the whole model's gradient, the same number on every rank.
+def global_grad_norm(parts: list[Transformer], layout: Layout, local_loss_finite: bool = True) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, the same number on every rank. It is NaN on every
+    rank when any rank's gradient or loss is not finite (`local_loss_finite`): the NaN guard's verdict
+    rides on this all-reduce, so every rank skips the same steps.
 
     Each rank sums the squares of its local gradient shard, divided by how many ranks hold a copy of
     that same shard (a parameter of one pipeline stage lives on dp·tp ranks; dims it is sharded over
@@ -167,6 +170,8 @@ def global_grad_norm(parts: list[Transformer], layout: Layout) -> torch.Tensor:
                 shards = _shard_count(g)
                 g = g.to_local()
             total += g.detach().double().pow(2).sum() / (holders // shards)
+    if not local_loss_finite:
+        total += math.nan
     if layout.mesh is not None:
         dist.all_reduce(total)
     return total.sqrt()

@@ -1,0 +1,306 @@
+"""Checkpoints: DCP sharded saves written in the background, made atomic and verifiable by a manifest.
+
+A save is written by every rank into checkpoints/.tmp-step-XXXXXXXX with torch.distributed.checkpoint
+(async_save: training waits only while the state is copied aside). When DCP reports the whole save
+complete, rank 0 hashes every file, writes manifest.json (step, sha256 per file, config hash, data and
+code version, the trainer's own state) and renames the folder to step-XXXXXXXX. A folder without that
+name was never finished and is never loaded. Loading verifies the hashes; a corrupt checkpoint is
+renamed *.corrupt, reported, and the next older one is tried.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from keel.trainer.config import CheckpointConfig, JobConfig
+
+log = logging.getLogger("keel.checkpoint")
+# A single process saves without a process group on purpose; DCP warns about it on every save.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+CHECKPOINT_DIR = "checkpoints"
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"^step-(\d{8})$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Finished checkpoints of a run, oldest first (unverified)."""
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    found = [(int(m.group(1)), p) for p in folder.glob("step-*") if (m := _NAME.match(p.name)) and p.is_dir()]
+    return sorted(found)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify(path: Path) -> str | None:
+    """None when every file matches the manifest; otherwise what is wrong, in one line."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        return f"{path.name}: unreadable manifest ({e})"
+    for name, expected in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            return f"{path.name}: {name} is missing"
+        if _sha256(file) != expected:
+            return f"{path.name}: {name} does not match its sha256 in the manifest"
+    return None
+
+
+class WholeModel(nn.Module):
+    """This rank's model parts seen as one module, so state-dict keys are the single model's names
+    (layers.7.attention.wq.weight), whatever the pipeline split: checkpoints do not depend on the layout."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleDict({k: v for part in parts for k, v in part.layers.items()})
+        for name in ("tok_embeddings", "norm", "output"):
+            for part in parts:
+                if getattr(part, name, None) is not None:
+                    setattr(self, name, getattr(part, name))
+
+
+@dataclass
+class SaveResult:
+    """A finished (or failed) save, for rank 0 to record."""
+
+    step: int
+    path: Path
+    blocking_s: float
+    total_s: float
+    error: str | None = None
+    removed: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Restored:
+    step: int
+    path: Path
+    train_state: dict
+    load_s: float
+    corrupt: list[str]  # what was wrong with each newer checkpoint that was passed over
+
+
+class Checkpointer:
+    """Saves and loads this rank's share of the model and optimizer. Every method is called by all
+    ranks at the same step (the decisions come from agreed values), except `poll`, which only rank 0 uses."""
+
+    def __init__(self, cfg: CheckpointConfig, run_dir: str | Path, parts: list[nn.Module], optimizer: torch.optim.Optimizer,
+                 rank: int, world: int, manifest_info: dict):
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.dir = Path(run_dir) / CHECKPOINT_DIR
+        self.model, self.optimizer = WholeModel(parts), optimizer
+        self.manifest_info = manifest_info  # config hash, data version, code version
+        # A save in flight runs its own collectives from DCP's thread; a group of its own keeps them
+        # from interleaving with the training collectives.
+        self.group = dist.new_group(backend="gloo") if world > 1 and cfg.async_save else None
+        self.pending: Future | None = None
+        self._finalized = threading.Event()
+        self._finalized.set()
+        self._results: list[SaveResult] = []
+        self._lock = threading.Lock()
+        self.last_step, self.last_time = 0, time.time()
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.interval_steps > 0 or self.cfg.interval_minutes > 0
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def due(self, step: int, now: float) -> bool:
+        """Whether a save is due after `step`; `now` must be the same on every rank (an agreed time)."""
+        if step <= self.last_step:
+            return False  # this state is already on disk (the checkpoint just restored)
+        by_steps = self.cfg.interval_steps > 0 and step - self.last_step >= self.cfg.interval_steps
+        by_time = self.cfg.interval_minutes > 0 and now - self.last_time >= 60 * self.cfg.interval_minutes
+        return by_steps or by_time
+
+    def _state(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        rng = {f"rank{self.rank}": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng[f"cuda_rank{self.rank}"] = torch.cuda.get_rng_state()
+        return {"model": model_sd, "optim": optim_sd, "rng": rng}
+
+    def save(self, step: int, train_state: dict, now: float) -> float:
+        """Starts saving the state after `step`; returns how long training was blocked (seconds)."""
+        started = time.perf_counter()
+        self.wait()
+        tmp = self.dir / f".tmp-{checkpoint_name(step)}"
+        if self.rank == 0 and tmp.exists():
+            shutil.rmtree(tmp)  # left by a run that died mid-save
+        if self.world > 1:
+            dist.barrier()
+        state = self._state()
+        self.last_step, self.last_time = step, now
+        self._finalized.clear()
+        if self.cfg.async_save:
+            self.pending = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
+            blocking = time.perf_counter() - started
+            self.pending.add_done_callback(lambda f: self._finish(f, step, tmp, train_state, started, blocking))
+        else:
+            dcp.save(state, checkpoint_id=tmp)
+            blocking = time.perf_counter() - started
+            done: Future = Future()
+            done.set_result(None)
+            self._finish(done, step, tmp, train_state, started, blocking)
+        return blocking
+
+    def _finish(self, future: Future, step: int, tmp: Path, train_state: dict, started: float, blocking: float) -> None:
+        """Runs when this rank's part of a save is complete. On rank 0 that means the whole save is
+        (DCP's coordinator writes the metadata after every rank reported its files): seal it."""
+        try:
+            if self.rank != 0:
+                return
+            final = self.dir / checkpoint_name(step)
+            error = None if future.exception() is None else f"{type(future.exception()).__name__}: {future.exception()}"
+            removed: list[str] = []
+            if error is None:
+                try:
+                    self._seal(step, tmp, final, train_state)
+                    removed = self._apply_retention()
+                except OSError as e:
+                    error = f"{type(e).__name__}: {e}"
+            with self._lock:
+                self._results.append(SaveResult(step, final, blocking, time.perf_counter() - started, error, removed))
+        finally:
+            self._finalized.set()
+
+    def _seal(self, step: int, tmp: Path, final: Path, train_state: dict) -> None:
+        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest = {"step": step, "time": time.time(), **self.manifest_info, "train_state": train_state, "files": files}
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():  # a step saved again after a rollback or restart replaces the old save
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        dir_fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself survives a power cut
+        finally:
+            os.close(dir_fd)
+
+    def _apply_retention(self) -> list[str]:
+        """Keeps the newest `keep` checkpoints and the newest one at least `keep_lookback_steps` older
+        than the newest, so a spike found late can still roll back past several recent saves."""
+        found = list_checkpoints(self.dir.parent)
+        if not found:
+            return []
+        keep = {p for _, p in found[-self.cfg.keep:]}
+        newest = found[-1][0]
+        older = [p for s, p in found if s <= newest - self.cfg.keep_lookback_steps]
+        if older:
+            keep.add(older[-1])
+        removed = []
+        for _, p in found:
+            if p not in keep:
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p.name)
+        return removed
+
+    def poll(self) -> list[SaveResult]:
+        """Saves that finished since the last call (rank 0)."""
+        with self._lock:
+            results, self._results = self._results, []
+        return results
+
+    def wait(self) -> None:
+        """Blocks until this rank's save in flight is written (and sealed, on rank 0)."""
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+        self._finalized.wait()
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def load_latest(self, before_step: int | None = None) -> Restored | None:
+        """Loads the newest checkpoint that verifies (and, with `before_step`, was saved before that step).
+        Collective: rank 0 chooses, every rank loads the same one. None when there is none."""
+        self.wait()
+        started = time.perf_counter()
+        choice: list = [None, []]
+        if self.rank == 0:
+            choice = self._choose(before_step)
+        if self.world > 1:
+            dist.broadcast_object_list(choice, src=0)
+        step, corrupt = choice
+        if step is None:
+            return None
+        path = self.dir / checkpoint_name(step)
+        state = self._state()
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        torch.set_rng_state(state["rng"][f"rank{self.rank}"])
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["rng"][f"cuda_rank{self.rank}"])
+        manifest = json.loads((path / MANIFEST).read_text())
+        self.last_step, self.last_time = step, time.time()
+        if self.world > 1:
+            dist.barrier()
+        return Restored(step, path, manifest["train_state"], time.perf_counter() - started, corrupt)
+
+    def _choose(self, before_step: int | None) -> list:
+        corrupt = []
+        for step, path in reversed(list_checkpoints(self.dir.parent)):
+            if before_step is not None and step >= before_step:
+                continue
+            problem = verify(path)
+            if problem is None:
+                return [step, corrupt]
+            log.error("checkpoint %s", problem)
+            corrupt.append(problem)
+            os.rename(path, path.with_name(path.name + ".corrupt"))  # kept for a person to look at, never loaded
+        return [None, corrupt]
+
+    def discard_after(self, step: int) -> list[str]:
+        """Deletes the checkpoints saved after `step` (rank 0): after a rollback they hold the abandoned
+        trajectory, and a restart must not resume into it."""
+        removed = []
+        if self.rank == 0:
+            for s, p in list_checkpoints(self.dir.parent):
+                if s > step:
+                    shutil.rmtree(p, ignore_errors=True)
+                    removed.append(p.name)
+        return removed
+
+
+def manifest_info(cfg: JobConfig, data_version: str) -> dict:
+    """What a checkpoint records about where it came from: the config that shapes the state (not the
+    run's name, length or fault plan), the data, and the code."""
+    shaping = {k: v for k, v in cfg.to_dict().items() if k in ("model", "data", "optim", "parallel")}
+    config_hash = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
+    try:
+        keel_version = importlib.metadata.version("keel")
+    except importlib.metadata.PackageNotFoundError:
+        keel_version = "unknown"
+    return {"config_hash": config_hash, "data_version": data_version, "code_version": f"keel {keel_version}, torch {torch.__version__}"}

@@ -1,0 +1,107 @@
+"""What rank 0 writes down when something happens: an event in the run store for each incident, and
+an alert for the ones a person should hear about. Every method is a no-op on the other ranks (they
+hold no recorder), so the train loop calls them unconditionally.
+"""
+
+from __future__ import annotations
+
+import math
+
+from keel.monitor.alerts import Alert
+from keel.monitor.detectors import Finding
+from keel.monitor.recorder import RunRecorder
+from keel.trainer.checkpoint import Restored, SaveResult
+
+# Detector findings: (event kind, severity, alert name or None). A confirmed spike is acted on
+# (rollback); an outlier that may heal and a grad-norm jump are reported, not acted on.
+_FINDINGS = {
+    "loss_outlier": ("loss_outlier", "info", None),
+    "spike_healed": ("spike_healed", "info", None),
+    "grad_norm_spike": ("grad_norm_spike", "warning", "grad_norm_spike"),
+    "spike_confirmed": ("spike", "critical", "loss_spike"),
+}
+
+
+class Incidents:
+    def __init__(self, recorder: RunRecorder | None, run_id: str):
+        self.recorder, self.run_id = recorder, run_id
+
+    def _note(self, kind: str, message: str, severity: str = "info", *, step=None, attempt=None, rank=None,
+              data: dict | None = None, alert: str | None = None) -> None:
+        if self.recorder is None:
+            return
+        self.recorder.event(kind, message, severity=severity, step=step, attempt=attempt, rank=rank, data=data)
+        if alert:
+            values = {k: v for k, v in (data or {}).items() if isinstance(v, (int, float, str))}
+            self.recorder.alert(Alert(alert, severity, message, self.run_id, step=step, attempt=attempt, rank=rank, values=values))
+
+    def step(self, row: dict, fault_ranks: list[int], findings: list[Finding]) -> None:
+        step, attempt = row["step"], row["attempt"]
+        for r in fault_ranks:
+            self._note("fault_injected", f"fault injected on rank {r} at step {step}", "warning", step=step, attempt=attempt, rank=r)
+        if row["skipped"]:
+            values = {"loss": row["loss"], "grad_norm": row["grad_norm"]}
+            message = f"non-finite step {step} skipped (no update): loss={row['loss']}, grad_norm={row['grad_norm']}"
+            self._note("nonfinite", message, "critical", step=step, attempt=attempt, data=values, alert="nonfinite_loss")
+        for f in findings:
+            kind, severity, alert = _FINDINGS[f.kind]
+            data = {"start_step": f.start_step, "value": f.value, "baseline": f.baseline, "threshold": f.threshold}
+            self._note(kind, f.message(), severity, step=step, attempt=attempt, data=data, alert=alert)
+
+    def rollback(self, step: int, attempt: int, reason: str, bad_from: int, restored: Restored, skipped: tuple[int, int], discarded: list[str]) -> None:
+        self.loaded(restored, attempt)
+        data = {"from_step": step, "to_step": restored.step, "bad_from": bad_from, "checkpoint": restored.path.name,
+                "load_s": restored.load_s, "discarded": discarded}
+        message = f"rolled back from step {step} to the checkpoint of step {restored.step} ({reason})"
+        self._note("rollback", message, "critical", step=step, attempt=attempt, data=data, alert="rollback")
+        first, end = skipped
+        self._note("skip_data", f"skipping batches {first}..{end - 1} ({end - first} batches), read at steps {restored.step + 1}..{step} and after",
+                   "warning", step=restored.step, attempt=attempt, data={"first_batch": first, "end_batch": end, "batches": end - first})
+
+    def no_rollback_target(self, step: int, attempt: int, reason: str, bad_from: int) -> None:
+        self._note("rollback_failed", f"cannot roll back ({reason}): no good checkpoint before step {bad_from}; training goes on",
+                   "critical", step=step, attempt=attempt, data={"bad_from": bad_from}, alert="rollback_failed")
+
+    def loaded(self, restored: Restored, attempt: int) -> None:
+        for problem in restored.corrupt:
+            self._note("checkpoint_corrupt", f"corrupt checkpoint {problem}; falling back to an older one", "critical",
+                       attempt=attempt, data={"problem": problem}, alert="checkpoint_corrupt")
+        self._note("checkpoint_loaded", f"loaded {restored.path.name} in {restored.load_s:.2f} s", step=restored.step,
+                   attempt=attempt, data={"path": str(restored.path), "load_s": restored.load_s})
+
+    def no_checkpoint(self, attempt: int, corrupt: list[str]) -> None:
+        for problem in corrupt:
+            self._note("checkpoint_corrupt", f"corrupt checkpoint {problem}", "critical", attempt=attempt, data={"problem": problem}, alert="checkpoint_corrupt")
+        self._note("checkpoint_missing", "no good checkpoint to resume from: starting at step 1", "warning", attempt=attempt)
+
+    def saved(self, results: list[SaveResult], attempt: int) -> None:
+        for r in results:
+            if r.error:
+                self._note("checkpoint_failed", f"checkpoint of step {r.step} failed: {r.error}", "critical", step=r.step,
+                           attempt=attempt, data={"error": r.error}, alert="checkpoint_failed")
+            else:
+                self._note("checkpoint_saved", f"{r.path.name}: blocked {r.blocking_s * 1000:.0f} ms, written in {r.total_s:.2f} s",
+                           step=r.step, attempt=attempt, data={"path": str(r.path), "blocking_s": r.blocking_s, "total_s": r.total_s, "removed": r.removed})
+
+    def restart(self, attempt: int, restart_count: int, down_s: float, step: int) -> None:
+        self._note("restart", f"workers restarted by torchrun (restart {restart_count}), resuming at step {step + 1}", "warning",
+                   step=step, attempt=attempt, data={"restart_count": restart_count, "down_s": down_s})
+
+    def hang(self, info: dict) -> None:
+        message = (f"hang: no progress for {info['stalled_s']:.0f} s in {info['phase']} of step {info['step']} "
+                   f"(allowed {info['timeout_s']:.0f} s); stacks in {info['dump']}; restarting")
+        self._note("hang", message, "critical", step=info["step"], attempt=info["attempt"], data=info, alert="hang")
+
+    def oom(self, step: int, attempt: int, rank: int, old: int, new: int, how: str) -> None:
+        self._note("oom", f"out of memory on rank {rank} at step {step}: micro-batches {old} -> {new} ({how})", "critical",
+                   step=step, attempt=attempt, rank=rank, data={"microbatches": new, "previous": old, "how": how}, alert="oom")
+
+    def stragglers(self, step: int, attempt: int, flagged: list[tuple[int, float]]) -> None:
+        for rank, score in flagged:
+            if math.isfinite(score):
+                self._note("straggler", f"rank {rank} is a straggler: score {score:.2f} (fastest rank's median busy time / its own)",
+                           "warning", step=step, attempt=attempt, rank=rank, data={"score": score}, alert="straggler")
+
+    def stopped(self, step: int, attempt: int, reason: str, exit_code: int) -> None:
+        self._note("run_stopped", f"run stopped at step {step}: {reason}", "critical", step=step, attempt=attempt,
+                   data={"exit_code": exit_code, "reason": reason}, alert="run_stopped")

@@ -1,0 +1,174 @@
+"""Stability end to end: checkpoints and exact resume, the NaN guard, spike rollback with data skip,
+the hang watchdog, and out-of-memory recovery. Each test runs `keel train` as a user would: real
+torchrun, gloo workers, faults injected through chaos fault plans."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import keel, train
+from keel.monitor.store import read_events, read_steps
+from keel.trainer.checkpoint import list_checkpoints, verify
+from keel.trainer.exits import EXIT_ROLLBACK_CAP
+
+TINY = ["--config", "tiny", "--monitor.prometheus=false"]
+
+
+def kinds(run_dir) -> list[str]:
+    return list(read_events(run_dir)["kind"])
+
+
+def events_of(run_dir, kind: str):
+    events = read_events(run_dir)
+    return events[events["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def dp2_reference(tmp_path_factory):
+    """An uninterrupted dp2 run with checkpoints every 4 steps: what a faulted run must reproduce."""
+    run_dir = tmp_path_factory.mktemp("dp2ref") / "run"
+    return train(run_dir, *TINY, "--dp", "2", "--checkpoint.interval_steps=4")
+
+
+def test_sigkill_under_torchrun_resumes_exactly(tmp_path):
+    """One rank of eight is SIGKILLed at step 11; torchrun restarts the group, the run resumes from the
+    checkpoint of step 8 and every loss from there on equals the uninterrupted run's, bit for bit."""
+    layout = ["--pp", "2", "--dp", "2", "--tp", "2", "--checkpoint.interval_steps=4"]
+    ref = train(tmp_path / "ref", *TINY, *layout)
+    run_dir = tmp_path / "crash"
+    run = train(run_dir, *TINY, *layout, "--fault", "crash@step=11,rank=5")
+    assert list(run.step) == list(range(1, 21))
+    np.testing.assert_array_equal(run.loss.to_numpy(), ref.loss.to_numpy())
+    np.testing.assert_array_equal(run.grad_norm.to_numpy(), ref.grad_norm.to_numpy())
+    assert (run[run.step > 8].attempt == 1).all() and (run[run.step <= 8].attempt == 0).all()
+    restart = events_of(run_dir, "restart").iloc[0]
+    assert restart["data"]["restart_count"] == 1 and restart["data"]["down_s"] > 0
+    assert events_of(run_dir, "checkpoint_loaded").iloc[0]["step"] == 8
+    all_rows = read_steps(run_dir)
+    assert set(all_rows[all_rows.attempt == 0].step) >= set(range(1, 11))  # the abandoned steps 9, 10 stay visible
+
+
+def test_corrupt_checkpoint_falls_back_to_previous(tmp_path):
+    run_dir = tmp_path / "run"
+    # A run of 16 steps that dies at step 13, with no restarts left: checkpoints of steps 4, 8 and 12
+    # (saved synchronously, so the save of step 12 is surely complete when the crash comes).
+    proc = keel("train", "--run-dir", str(run_dir), *TINY, "--steps", "16", "--checkpoint.interval_steps=4", "--checkpoint.async_save=false",
+                "--fault", "crash@step=13", "--max-restarts", "0")
+    assert proc.returncode != 0
+    first = read_steps(run_dir)
+    assert [s for s, _ in list_checkpoints(run_dir)] == [4, 8, 12]
+    newest = list_checkpoints(run_dir)[-1][1]
+    shard = next(p for p in sorted(newest.iterdir()) if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit pattern in the middle of a shard
+    shard.write_bytes(bytes(data))
+    assert "does not match its sha256" in verify(newest)
+
+    proc = keel("train", "--resume", str(run_dir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    corrupt = events_of(run_dir, "checkpoint_corrupt")
+    assert len(corrupt) == 1 and "step-00000012" in corrupt.iloc[0]["message"]
+    assert events_of(run_dir, "checkpoint_loaded").iloc[-1]["step"] == 8
+    assert (newest.parent / (newest.name + ".corrupt")).is_dir()
+    run = read_steps(run_dir, effective=True)
+    assert list(run.step) == list(range(1, 17))
+    # Steps 9..12 ran again from the good checkpoint and gave exactly what they gave the first time.
+    np.testing.assert_array_equal(run[run.step.between(9, 12)].loss.to_numpy(), first[first.step.between(9, 12)].loss.to_numpy())
+
+
+def test_nan_is_skipped_on_every_rank_and_three_in_a_row_roll_back(tmp_path):
+    run_dir = tmp_path / "run"
+    faults = ["nan@step=5,rank=1", "nan@step=10,rank=0", "inf@step=11,rank=1", "nan@step=12,rank=1"]
+    run = train(run_dir, *TINY, "--dp", "2", "--checkpoint.interval_steps=4", *[f"--fault={f}" for f in faults])
+    rows = read_steps(run_dir)
+    skipped = rows[rows.skipped == 1]
+    assert list(skipped.step) == [5, 10, 11, 12]
+    for rank in (0, 1):  # every rank skipped the same steps, whichever rank's loss was bad
+        log = (run_dir / "logs" / f"rank-{rank}.log").read_text()
+        assert [f"step {s} skipped" in log for s in (5, 10, 11, 12)] == [True] * 4
+    assert list(events_of(run_dir, "nonfinite").step) == [5, 10, 11, 12]
+    rollback = events_of(run_dir, "rollback").iloc[0]
+    assert rollback["data"]["from_step"] == 12 and rollback["data"]["to_step"] == 8 and rollback["data"]["bad_from"] == 10
+    assert len(events_of(run_dir, "skip_data")) == 1
+    assert list(run.step) == list(range(1, 21)) and np.isfinite(run.loss).all()
+    assert (run[run.step > 8].attempt == 1).all()
+    assert run.loss.iloc[-1] < run.loss.iloc[0] - 1.0
+
+
+SPIKE_RUN = [*TINY, "--steps", "160", "--checkpoint.interval_steps=20", "--spike.warmup_steps=30", "--optim.warmup_steps=20"]
+
+
+def test_real_loss_spike_is_detected_rolled_back_and_its_data_skipped(tmp_path):
+    """Five batches of random bytes at steps 100..104 give a real spike. The detector confirms it, the
+    run restores the checkpoint of step 80, skips every batch read since then, and ends on its trend."""
+    ref = train(tmp_path / "ref", *SPIKE_RUN)
+    run_dir = tmp_path / "spike"
+    run = train(run_dir, *SPIKE_RUN, "--fault", "spike@step=100,steps=5")
+    events = read_events(run_dir)
+    story = events[events.kind.isin(["loss_outlier", "spike", "rollback", "skip_data"])]
+    assert list(story.kind) == ["loss_outlier", "spike", "rollback", "skip_data"]
+    outlier, spike, rollback, skip = (story.iloc[i] for i in range(4))
+    assert outlier["step"] == 100 and spike["data"]["start_step"] == 100 and 100 < spike["step"] <= 110
+    assert rollback["data"]["to_step"] == 80 and rollback["data"]["from_step"] == spike["step"]
+    # Batches 80.. (read from step 81 on) up to the confirmation and the margin are never read again.
+    assert skip["data"]["first_batch"] == 80 and skip["data"]["end_batch"] == spike["step"] + 5
+    assert list(run.step) == list(range(1, 161))
+    # Steps up to the checkpoint are the clean run's. After it, the run is exactly a clean run that
+    # never read the skipped batches: the rollback left nothing of the spike behind.
+    np.testing.assert_array_equal(run[run.step <= 80].loss.to_numpy(), ref[ref.step <= 80].loss.to_numpy())
+    same_skip = train(tmp_path / "same-skip", *SPIKE_RUN, f"--data.skip_batches=80:{skip['data']['end_batch']}")
+    np.testing.assert_array_equal(run.loss.to_numpy(), same_skip.loss.to_numpy())
+    # And it ends on the clean run's trend: the last 30 losses (per-step noise about 0.3) agree in the mean.
+    assert abs(run.loss.tail(30).mean() - ref.loss.tail(30).mean()) < 0.1 * ref.loss.tail(30).mean()
+
+
+def test_spike_without_data_skip_hits_the_rollback_cap(tmp_path):
+    """With the data skip turned off the poisoned batches come back after every rollback: the run must stop
+    with the rollback-cap exit code and an alert, not loop."""
+    run_dir = tmp_path / "run"
+    proc = keel("train", "--run-dir", str(run_dir), *SPIKE_RUN, "--fault", "spike@step=100,steps=5",
+                "--recovery.skip_margin=0", "--recovery.max_rollbacks=2", "--recovery.skip_data=false")
+    assert proc.returncode == EXIT_ROLLBACK_CAP, proc.stderr[-3000:]
+    assert len(events_of(run_dir, "rollback")) == 2
+    stopped = events_of(run_dir, "run_stopped").iloc[0]
+    assert "rollbacks without progress" in stopped["message"]
+    assert "run_finished" not in kinds(run_dir)
+
+
+def test_hang_fires_watchdog_dumps_stacks_and_restarts(tmp_path, dp2_reference):
+    run_dir = tmp_path / "run"
+    run = train(run_dir, *TINY, "--dp", "2", "--checkpoint.interval_steps=4", "--fault", "hang@step=10,rank=1",
+                "--watchdog.floor_s=3", "--watchdog.warmup_steps=2")
+    dumps = sorted((run_dir / "dumps").glob("hang-*.txt"))
+    assert {d.name for d in dumps} == {"hang-attempt0-step10-rank0.txt", "hang-attempt0-step10-rank1.txt"}
+    stuck = (run_dir / "dumps" / "hang-attempt0-step10-rank1.txt").read_text()
+    assert "Thread" in stuck and "at_step_start" in stuck  # the stack shows where the rank is stuck
+    hang = events_of(run_dir, "hang").iloc[0]
+    assert hang["step"] == 10 and hang["data"]["stalled_s"] >= 3
+    assert len(events_of(run_dir, "restart")) == 1
+    np.testing.assert_array_equal(run.loss.to_numpy(), dp2_reference.loss.to_numpy())
+    assert (run[run.step > 8].attempt == 1).all()
+    goodput = events_of(run_dir, "goodput").iloc[-1]["data"]
+    assert goodput["lost_s"]["hang"] >= 3 and goodput["lost_s"]["restart"] > 0 and 0 < goodput["goodput"] < 1
+
+
+def test_oom_in_one_process_halves_the_micro_batch_in_place(tmp_path):
+    ref = train(tmp_path / "ref", *TINY, "--training.microbatches=4")
+    run_dir = tmp_path / "run"
+    run = train(run_dir, *TINY, "--training.microbatches=2", "--fault", "oom@step=6")
+    oom = events_of(run_dir, "oom").iloc[0]
+    assert oom["data"] == {"microbatches": 4, "previous": 2, "how": "in process"}
+    assert list(run.step) == list(range(1, 21)) and list(run.tokens) == list(ref.tokens)  # global batch unchanged
+    np.testing.assert_allclose(run.loss, ref.loss, rtol=1e-5)
+
+
+def test_oom_with_collectives_restarts_with_half_the_micro_batch(tmp_path):
+    ref = train(tmp_path / "ref", *TINY, "--dp", "2", "--training.microbatches=2", "--checkpoint.interval_steps=4")
+    run_dir = tmp_path / "run"
+    run = train(run_dir, *TINY, "--dp", "2", "--training.microbatches=1", "--checkpoint.interval_steps=4", "--fault", "oom@step=6,rank=1")
+    oom = events_of(run_dir, "oom").iloc[0]
+    assert oom["rank"] == 1 and oom["data"]["microbatches"] == 2 and oom["data"]["how"] == "coordinated restart"
+    assert list(run.step) == list(range(1, 21)) and list(run.tokens) == list(ref.tokens)
+    after = run.step > 4  # resumed from the checkpoint of step 4 with two micro-batches
+    np.testing.assert_allclose(run[after].loss, ref[after].loss, rtol=1e-5)
