@@ -91,7 +91,9 @@ def test_nan_is_skipped_on_every_rank_and_three_in_a_row_roll_back(tmp_path):
     rollback = events_of(run_dir, "rollback").iloc[0]
     assert rollback["data"]["from_step"] == 12 and rollback["data"]["to_step"] == 8 and rollback["data"]["bad_from"] == 10
     assert len(events_of(run_dir, "skip_data")) == 1
-    assert list(run.step) == list(range(1, 21)) and np.isfinite(run.loss).all()
+    assert list(run.step) == list(range(1, 21))
+    assert list(run[run.skipped == 1].step) == [5]  # 10..12 were rolled back; step 5 stays a skipped step
+    assert np.isfinite(run[run.skipped == 0].loss).all()
     assert (run[run.step > 8].attempt == 1).all()
     assert run.loss.iloc[-1] < run.loss.iloc[0] - 1.0
 

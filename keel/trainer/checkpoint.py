@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from keel.trainer.config import CheckpointConfig, JobConfig
 
@@ -39,6 +39,10 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^step-(\d{8})$")
+# Optimizer state and param-group settings keyed by parameter name ("param_groups.layers.3...lr"). The
+# nested form keys groups by position, and pipeline stages have different groups under the same
+# position: DCP would keep one stage's and hand it to every rank.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def checkpoint_name(step: int) -> str:
@@ -144,7 +148,7 @@ class Checkpointer:
         return by_steps or by_time
 
     def _state(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
         rng = {f"rank{self.rank}": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng[f"cuda_rank{self.rank}"] = torch.cuda.get_rng_state()
@@ -259,7 +263,7 @@ class Checkpointer:
         path = self.dir / checkpoint_name(step)
         state = self._state()
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS)
         torch.set_rng_state(state["rng"][f"rank{self.rank}"])
         if torch.cuda.is_available():
             torch.cuda.set_rng_state(state["rng"][f"cuda_rank{self.rank}"])

@@ -156,7 +156,7 @@ def nccl_resilience_env(run_dir: Path) -> dict[str, str]:
     A user's own setting wins. (No effect with gloo on CPU.)"""
     wanted = {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_FR_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_DUMP_TEMP_FILE": str((run_dir / "dumps" / "nccl_trace_rank_").resolve()),
     }

@@ -52,8 +52,13 @@ def init_distributed(startup_timeout_s: float = 600.0) -> tuple[torch.device, in
     else:
         device = torch.device("cpu")
     if world > 1:
+        timeout = timedelta(seconds=startup_timeout_s)
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        # After a torchrun restart the rendezvous store still holds the previous group's keys (its
+        # workers' addresses); a fresh namespace per restart keeps the new group from reading them.
+        store = dist.PrefixStore(f"keel/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None,
-                                timeout=timedelta(seconds=startup_timeout_s))
+                                store=store, rank=rank, world_size=world, timeout=timeout)
     return device, rank, world
 
 
@@ -137,10 +142,7 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int, process_s
         if oom_note:
             incidents.oom(oom_note["step"], attempt, oom_note["rank"], oom_note["previous"], oom_note["microbatches"], "coordinated restart")
             oom.mark_reported(run_dir)
-    if recorder is not None:
-        watchdog.on_hang = incidents.hang
-    else:
-        watchdog.on_hang = lambda info: time.sleep(3)  # let rank 0 record the hang before torchrun stops the group
+    watchdog.on_hang = incidents.hang
 
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, parts, optimizer, rank, world, manifest_info(cfg, source.version))
     guard = StabilityGuard(cfg.recovery, cfg.spike)
@@ -196,7 +198,9 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int, process_s
                 loss_finite = loss is None or bool(torch.isfinite(loss))
                 grad_norm = parallel.global_grad_norm(parts, layout, loss_finite).item()
                 skipped = not math.isfinite(grad_norm)  # the same verdict on every rank
-                if not skipped:
+                if skipped:
+                    log.warning("step %d skipped: a loss or gradient is not finite on some rank (global grad norm %s)", step, grad_norm)
+                else:
                     clip_grads(parts, cfg.optim.grad_clip, grad_norm)
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -84,6 +84,9 @@ class Watchdog:
         try:
             if self.on_hang is not None:
                 self.on_hang(info)
+            # The other ranks' watchdogs fire within about a poll of this one; give them time to leave
+            # their dumps (the stuck rank's is the one that matters) before torchrun stops the group.
+            time.sleep(3 * self.cfg.poll_s)
         finally:
             logging.shutdown()
             os._exit(EXIT_HANG)  # the training thread is stuck: a normal exit would wait for it forever

@@ -1,0 +1,154 @@
+"""Goodput: the share of a run's wall time spent on steps that count, and where the rest went.
+
+Productive time is the step time of the effective trajectory (the rows `read_steps(effective=True)`
+keeps) minus the steps the NaN guard skipped. The lost time is kept by cause: steps recomputed after a
+rollback or restart, skipped steps, time down between a failure and the restart, hangs, checkpoint
+saves and loads, and "other" (start-up, idle, whatever the records do not explain).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from numbers import Real
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from keel.monitor.store import read_events, read_steps
+
+CAUSES = ("recomputed", "skipped", "restart", "hang", "checkpoint", "other")
+
+
+@dataclass
+class Goodput:
+    wall_s: float
+    productive_s: float
+    lost_s: dict[str, float]  # seconds per cause, keys exactly CAUSES
+
+    @property
+    def goodput(self) -> float:
+        return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "wall_s": self.wall_s,
+            "productive_s": self.productive_s,
+            "goodput": self.goodput,
+            "lost_s": dict(self.lost_s),
+        }
+
+    def summary(self) -> str:
+        """One line for the end-of-run console summary; causes with no lost time are left out, largest first."""
+        line = f"goodput {self.goodput:.1%} of {_seconds(self.wall_s)} wall"
+        lost = sorted(((c, s) for c, s in self.lost_s.items() if s > 0), key=lambda cause: -cause[1])
+        if lost:
+            line += ": lost " + ", ".join(f"{c} {_seconds(s)}" for c, s in lost)
+        return line
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.0f} s" if s >= 100 else f"{s:.1f} s"
+
+
+def _column(df: pd.DataFrame, name: str, default: float) -> pd.Series:
+    """A column as float64 with missing values (NULL in the store) replaced by `default`."""
+    if name not in df:
+        return pd.Series(default, index=df.index, dtype="float64")
+    return pd.to_numeric(df[name], errors="coerce").astype("float64").fillna(default)
+
+
+def _abandoned(steps: pd.DataFrame) -> pd.Series:
+    """Rows a later attempt abandoned: the same rule as the store's effective trajectory (see store.py).
+
+    A row of attempt a is abandoned when some later attempt started at or before its step, which also
+    covers rows past the point the later attempt has reached so far.
+    """
+    if "step" not in steps or "attempt" not in steps or steps.empty:
+        return pd.Series(False, index=steps.index)
+    first_step = steps.groupby("attempt")["step"].min().sort_index()
+    # Minimum first step over the attempts after each one; NaN for the last attempt.
+    next_start = first_step[::-1].cummin()[::-1].shift(-1)
+    return steps["step"] >= steps["attempt"].map(next_start)
+
+
+def _data(value: Any) -> dict:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _event_values(events: pd.DataFrame, kind: str, key: str) -> list[float]:
+    """The finite numbers events of `kind` carry under data[key]; events without one are left out."""
+    if "kind" not in events or "data" not in events:
+        return []
+    values = []
+    for data in events.loc[events["kind"] == kind, "data"]:
+        value = _data(data).get(key)
+        if isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value):
+            values.append(float(value))
+    return values
+
+
+def _duration_sum(events: pd.DataFrame, kind: str, key: str) -> float:
+    # A negative duration can only come from clocks disagreeing between processes or hosts; it counts as none.
+    return sum(max(v, 0.0) for v in _event_values(events, kind, key))
+
+
+def _run_start(steps: pd.DataFrame, events: pd.DataFrame) -> float:
+    process_starts = _event_values(events, "run_started", "process_start")
+    if process_starts:
+        return min(process_starts)
+    # Without a recorded process start, the run began no later than its first step started or first event.
+    candidates = []
+    if "time" in steps:
+        candidates.append((_column(steps, "time", math.nan) - _column(steps, "step_time_s", 0.0)).min())
+    if "time" in events:
+        candidates.append(_column(events, "time", math.nan).min())
+    return min((t for t in candidates if not math.isnan(t)), default=math.nan)
+
+
+def _run_end(steps: pd.DataFrame, events: pd.DataFrame) -> float:
+    latest = [_column(df, "time", math.nan).max() for df in (steps, events) if "time" in df]
+    return max((t for t in latest if not math.isnan(t)), default=math.nan)
+
+
+def compute_goodput(steps: pd.DataFrame, events: pd.DataFrame, end_time: float | None = None) -> Goodput:
+    """Goodput of a run from its step rows (all attempts, as `read_steps(run_dir)`) and its events.
+
+    The run starts at the earliest worker process start a `run_started` event records and ends at
+    `end_time`, by default the latest step or event. Missing columns and empty frames count as nothing.
+    """
+    start = _run_start(steps, events)
+    end = _run_end(steps, events) if end_time is None else float(end_time)
+    wall = max(end - start, 0.0) if math.isfinite(start) and math.isfinite(end) else 0.0
+
+    step_time = _column(steps, "step_time_s", 0.0)
+    abandoned = _abandoned(steps)
+    skipped = _column(steps, "skipped", 0.0) == 1
+    productive = float(step_time[~abandoned & ~skipped].sum())
+    lost = {
+        "recomputed": float(step_time[abandoned].sum()),
+        "skipped": float(step_time[~abandoned & skipped].sum()),
+        "restart": _duration_sum(events, "restart", "down_s"),
+        "hang": _duration_sum(events, "hang", "stalled_s"),
+        # A rollback's checkpoint load is also recorded by its checkpoint_loaded event, so rollback.load_s
+        # is not added here.
+        "checkpoint": _duration_sum(events, "checkpoint_saved", "blocking_s")
+        + _duration_sum(events, "checkpoint_loaded", "load_s"),
+    }
+    # The causes can overlap (a hang's stall is part of the restart's down time when the watchdog's kill
+    # led to the restart), so the rest can come out negative; it is clipped at 0 rather than reported as
+    # negative idle time, and then productive + lost exceeds wall by the overlap.
+    lost["other"] = max(wall - productive - sum(lost.values()), 0.0)
+    return Goodput(wall_s=wall, productive_s=productive, lost_s={c: lost[c] for c in CAUSES})
+
+
+def goodput_of_run(run_dir: str | Path) -> Goodput:
+    """Goodput of the run in `run_dir`, from its store; also while the trainer is still writing."""
+    return compute_goodput(read_steps(run_dir), read_events(run_dir))

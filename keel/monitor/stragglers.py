@@ -1,0 +1,63 @@
+"""Straggler detection: which rank holds the others up, from each rank's busy time per sampled step.
+
+A rank's busy time is its step time minus its communication time: a slow rank makes the others wait in
+collectives, so their step times match its own and only the time outside communication tells them apart.
+A rank's score is the fastest rank's median busy time over the window divided by its own (1.0 = on
+par, 0.5 = twice as slow). Medians, so that one slow sample (a GC pause, a page fault) flags nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class StragglerConfig:
+    window: int = 5  # the last this many measured samples of each rank make its median
+    threshold: float = 0.75  # a rank whose score falls below this is flagged
+    min_samples: int = 3  # a rank gets no score before it has this many samples
+
+
+class StragglerTracker:
+    """Scores per rank, fed one busy time per rank for each step where communication was measured."""
+
+    def __init__(self, cfg: StragglerConfig, world: int) -> None:
+        if not 1 <= cfg.min_samples <= cfg.window:
+            # Otherwise no rank would ever get a score, and the tracker would silently flag nothing.
+            raise ValueError(f"stragglers.min_samples={cfg.min_samples} must be between 1 and stragglers.window={cfg.window}")
+        self.cfg = cfg
+        self.world = world
+        self._samples = [deque(maxlen=cfg.window) for _ in range(world)]
+        self._flagged: set[int] = set()
+
+    def update(self, busy_s: Sequence[float]) -> list[tuple[int, float]]:
+        """Add one step's busy times (NaN where a rank was not measured); returns the ranks newly below threshold.
+
+        A flagged rank is reported again only after its score has come back to the threshold or above.
+        """
+        if len(busy_s) != self.world:
+            raise ValueError(f"expected {self.world} busy times, one per rank, got {len(busy_s)}")
+        for samples, busy in zip(self._samples, busy_s):
+            # Not positive: the communication measured took the whole step, which says nothing about speed.
+            if math.isfinite(busy) and busy > 0:
+                samples.append(float(busy))
+        newly = []
+        for rank, score in enumerate(self.scores()):
+            if math.isnan(score):
+                continue
+            if score >= self.cfg.threshold:
+                self._flagged.discard(rank)
+            elif rank not in self._flagged:
+                self._flagged.add(rank)
+                newly.append((rank, score))
+        return newly
+
+    def scores(self) -> list[float]:
+        """The current score of each rank; NaN for a rank with fewer than min_samples samples."""
+        medians = [statistics.median(s) if len(s) >= self.cfg.min_samples else math.nan for s in self._samples]
+        fastest = min((m for m in medians if not math.isnan(m)), default=math.nan)
+        return [fastest / m for m in medians]
