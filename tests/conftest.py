@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def keel(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "keel.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    # One thread per worker: with two OpenMP threads per process, anything else on the machine makes
+    # their spin-waits collide and a 20 ms step takes seconds. Every run in a test (references too)
+    # gets the same setting, so the comparisons stay exact.
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "keel.cli", *args]
+    # A session of its own, so that a run that times out is stopped with its torchrun and workers.
+    with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def train(run_dir: Path, *args: str, timeout: float = 300):

@@ -31,6 +31,17 @@ CASES = {
     "unknown preset": (["--model.preset=13b"], ["model.preset", "tiny"]),
     "missing config file": (["--config", "nope.toml"], ["--config nope.toml", "file not found"]),
     "nodes do not split the processes": (["--dp", "2", "--nnodes", "3"], ["--nnodes=3", "do not split"]),
+    "unknown fault": (["--fault", "melt@step=3"], ["chaos.faults", "unknown fault 'melt'", "choose one of"]),
+    "fault without step": (["--fault", "crash@rank=1"], ["chaos.faults", "has no step"]),
+    "spike baseline larger than window": (["--spike.min_baseline=500"], ["spike.min_baseline=500", "spike.window=128"]),
+    "spike ratio not above 1": (["--spike.ratio=0.5"], ["spike.ratio=0.5", "above 1"]),
+    "lr factor above 1": (["--recovery.lr_factor=2"], ["recovery.lr_factor=2.0", "(0, 1]"]),
+    "no rollback without a nonfinite limit": (["--recovery.nonfinite_limit=0"], ["recovery.nonfinite_limit=0", "at least 1"]),
+    "negative checkpoint interval": (["--checkpoint.interval_steps=-5"], ["checkpoint.interval_steps=-5", "0 turns"]),
+    "zero watchdog floor": (["--watchdog.floor_s=0"], ["watchdog.floor_s=0", "positive"]),
+    "backwards skip range": (["--data.skip_batches=90:80"], ["data.skip_batches", "'90:80'", "FIRST < END"]),
+    "straggler min samples": (["--stragglers.min_samples=9"], ["stragglers.min_samples=9", "stragglers.window=5"]),
+    "resume without a run": (["--resume", "no/such/run"], ["--resume no/such/run", "no config.toml"]),
 }
 
 

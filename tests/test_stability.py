@@ -174,3 +174,15 @@ def test_oom_with_collectives_restarts_with_half_the_micro_batch(tmp_path):
     assert list(run.step) == list(range(1, 21)) and list(run.tokens) == list(ref.tokens)
     after = run.step > 4  # resumed from the checkpoint of step 4 with two micro-batches
     np.testing.assert_allclose(run[after].loss, ref[after].loss, rtol=1e-5)
+
+
+def test_straggler_is_named(tmp_path):
+    """Rank 1 sleeps 300 ms in every step from step 3: the others wait for it inside collectives, so
+    its busy time is the long one, and the alert names it."""
+    run_dir = tmp_path / "run"
+    train(run_dir, *TINY, "--dp", "2", "--steps", "14", "--metrics.comm_sample_every=1", "--fault", "straggler@step=3,rank=1,steps=12,ms=300")
+    stragglers = events_of(run_dir, "straggler")
+    assert list(stragglers["rank"]) == [1]
+    assert stragglers.iloc[0]["data"]["score"] < 0.75
+    alerts = events_of(run_dir, "alert")
+    assert any("rank 1 is a straggler" in m for m in alerts["message"])

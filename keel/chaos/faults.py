@@ -1,6 +1,6 @@
 """Fault plans and the injectors the trainer calls at its hook points.
 
-A fault is addressed as KIND@step=S[,rank=R][,steps=K][,seconds=T] (rank defaults to all ranks), in a
+A fault is addressed as KIND@step=S[,rank=R][,steps=K][,seconds=T][,ms=M] (rank defaults to all ranks), in a
 plan given on the command line (`--fault nan@step=40,rank=1`) or in the config (`chaos.faults`).
 Injectors are plain functions of the values the trainer hands them; they do not patch torch.
 
@@ -26,11 +26,13 @@ import torch
 LOSS_FAULTS = {"nan": float("nan"), "inf": float("inf")}
 # Faults that hit the process at the start of a step, before its first collective.
 PROCESS_FAULTS = ("crash", "hang", "oom")
+# Faults that slow a rank down for `steps` steps from `step`: it sleeps `ms` milliseconds at each step start.
+SLOW_FAULTS = ("straggler",)
 # Data faults: `spike` replaces the batches read at steps S..S+K-1 (steps=K, default 1) with random
 # bytes, which gives a real loss spike through the ordinary forward and backward.
 DATA_FAULTS = ("spike",)
-KINDS = (*LOSS_FAULTS, *PROCESS_FAULTS, *DATA_FAULTS)
-FIELDS = ("step", "rank", "steps", "seconds")
+KINDS = (*LOSS_FAULTS, *PROCESS_FAULTS, *SLOW_FAULTS, *DATA_FAULTS)
+FIELDS = ("step", "rank", "steps", "seconds", "ms")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class Fault:
     rank: int | None = None  # None: every rank
     steps: int = 1  # spike: how many consecutive batches are poisoned
     seconds: int = 3600  # hang: how long the rank sleeps
+    ms: int = 200  # straggler: how long the rank sleeps at each step
 
     def __str__(self) -> str:
         text = f"{self.kind}@step={self.step}" + ("" if self.rank is None else f",rank={self.rank}")
@@ -47,6 +50,8 @@ class Fault:
             text += f",steps={self.steps}"
         if self.kind == "hang":
             text += f",seconds={self.seconds}"
+        if self.kind == "straggler":
+            text += f",ms={self.ms}"
         return text
 
 
@@ -59,7 +64,7 @@ def parse_fault(spec: str) -> Fault:
     for part in filter(None, where.split(",")):
         key, _, value = part.partition("=")
         if key not in FIELDS or not value.isdigit():
-            raise ValueError(f"chaos.faults: bad '{part}' in '{spec}'; write KIND@step=S[,rank=R][,steps=K][,seconds=T] with whole numbers")
+            raise ValueError(f"chaos.faults: bad '{part}' in '{spec}'; write KIND@step=S[,rank=R][,steps=K][,seconds=T][,ms=M] with whole numbers")
         fields[key] = int(value)
     if "step" not in fields:
         raise ValueError(f"chaos.faults: '{spec}' has no step; write KIND@step=S[,rank=R]")
@@ -101,7 +106,10 @@ class FaultPlan:
             marker.write_text(f"{time.time()}\n")
 
     def at_step_start(self) -> None:
-        """Hook at the start of a step, before its first collective: crash, hang and oom."""
+        """Hook at the start of a step, before its first collective: crash, hang, oom and straggler."""
+        for fault in self.faults:
+            if fault.kind == "straggler" and fault.rank in (None, self.rank) and fault.step <= self.step < fault.step + fault.steps:
+                time.sleep(fault.ms / 1000)
         for fault in self._due(PROCESS_FAULTS):
             self.fired.append(fault)
             self._spend(fault)

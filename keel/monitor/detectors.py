@@ -1,15 +1,15 @@
 """The loss-spike detector: tells a loss spike worth a rollback from the noise of an ordinary run.
 
 The trainer feeds it each step's agreed loss and global grad norm; it answers with findings. A loss is
-an outlier when it stands far above a robust baseline of recent losses (median and MAD, so the noise
-of a small batch or a past spike does not move it). One outlier is only reported: a blip that heals
-by itself is no reason to throw work away. A spike is confirmed, once per run of outliers, when the
-loss stays up for `persistence` steps; that is what the trainer acts on. Points of a run of outliers
-never enter the baseline, so a plateau stays a spike instead of becoming the new normal. A jump in
-the grad norm is reported as an early warning only.
+an outlier when it stands far above a robust baseline of recent losses, so neither the noise of a
+small batch nor the fall of the loss early in training moves it much. One outlier is only reported:
+a blip that heals by itself is no reason to throw work away. A spike is confirmed, once per run of
+outliers, when the loss stays up for `persistence` steps; that is what the trainer acts on. Points of
+a run of outliers never enter the baseline, so a plateau stays a spike instead of becoming the new
+normal. A grad norm that stays high is reported as an early warning only.
 
 A plain object without torch: every rank runs its own copy on the same agreed numbers and reaches the
-same verdicts. See docs/stability.md for the thresholds and the measurements behind their defaults.
+same verdicts. docs/stability.md explains each threshold and the measurements behind its default.
 """
 
 from __future__ import annotations
@@ -30,22 +30,27 @@ class SpikeConfig:
     enabled: bool = True  # false: no detector at all (no findings, no rollback on spikes)
     window: int = 128  # steps; the baseline is the last `window` finite losses that were not outliers
     # A loss is an outlier when loss > center + sigmas * spread, or loss >= ratio * center. center is
-    # the median of the baseline; spread is 1.4826 * its median absolute deviation (the standard
-    # deviation, were the noise normal), at least min_rel_spread * center.
+    # the median of the newest center_window points of the baseline; spread is the noise's robust
+    # standard deviation over the whole baseline (from the median absolute deviation of step-to-step
+    # differences), at least min_rel_spread * center.
+    center_window: int = 32  # steps; short enough to follow the fast fall of the loss early in training
     sigmas: float = 6.0  # robust standard deviations above the center
-    ratio: float = 2.0  # multiple of the center; catches a doubling even while the spread is wide
-    min_rel_spread: float = 0.02  # fraction of the center: the smallest spread (so at least +12% at 6 sigmas)
-    # A run of outliers goes on while the loss stays above center + hold * (threshold - center), so a
-    # spike whose next steps land a little lower is not split in two; the steps just before its first
-    # outlier that were already that high (at most persistence - 1) are counted to it as well.
-    hold: float = 0.5  # fraction of the way from center to threshold; 1: only outliers count
-    persistence: int = 3  # steps from the first outlier (itself included) that confirm a spike
+    ratio: float = 2.0  # multiple of the center; flags a doubling even while the spread is wide
+    min_rel_spread: float = 0.02  # fraction of the center: the smallest spread (6 sigmas >= +12% then)
+    # A run of outliers starts at an outlier, together with the steps just before it that were already
+    # above the hold level, center + hold * (threshold - center) (at most persistence - 1 of them).
+    hold: float = 0.5  # fraction of the way from the center to the threshold; 1: only outliers count
+    # The run is a confirmed spike once `persistence` of its steps, from the first outlier on, were above
+    # the hold level; it ends after `persistence` steps in a row below it (healed, if not confirmed).
+    persistence: int = 3  # steps
     warmup_steps: int = 50  # no verdicts before this step (the baseline still fills)
     min_baseline: int = 16  # no verdicts until the baseline holds this many points
-    # Grad-norm early warning: the same test on the grad norm, with its own baseline.
-    grad_sigmas: float = 6.0  # robust standard deviations of the grad norm above its center
+    # Grad-norm early warning: the same test on the grad norm, with its own baseline; it warns when
+    # grad_persistence grad norms in a row are outliers (1: every single jump warns).
+    grad_sigmas: float = 12.0  # robust standard deviations of the grad norm above its center
     grad_ratio: float = 4.0  # multiple of the grad norm's center
-    history: int = 10000  # updates kept so that rewind() is exact this far back (older: empty baseline)
+    grad_persistence: int = 2  # grad-norm outliers in a row that make a warning
+    history: int = 10000  # updates; rewind() is exact this far back (further: from an empty baseline)
 
 
 @dataclass
@@ -54,7 +59,7 @@ class Finding:
     # on); "spike_healed": the run ended before persistence; "grad_norm_spike": early warning.
     kind: str
     step: int  # the step this finding is about (the current step)
-    start_step: int  # first step of the run (== step for grad_norm_spike)
+    start_step: int  # first step of the run (for grad_norm_spike: of the run of grad-norm outliers)
     value: float  # loss (or grad norm) at `step`
     baseline: float  # the center the value was compared with
     threshold: float  # the value above which it counted as an outlier (the hold level for spike_healed)
@@ -67,61 +72,64 @@ class Finding:
             return (f"loss spike since step {self.start_step}: loss {self.value:.4g} at step {self.step} "
                     f"(baseline {self.baseline:.4g}, outlier above {self.threshold:.4g})")
         if self.kind == "spike_healed":
-            return (f"loss back to {self.value:.4g} at step {self.step} (below {self.threshold:.4g}): the outlier "
-                    f"from step {self.start_step} healed after {self.step - self.start_step} step(s)")
+            return (f"loss back below {self.threshold:.4g} (baseline {self.baseline:.4g}), {self.value:.4g} at step "
+                    f"{self.step}: the outlier run from step {self.start_step} healed")
         return (f"grad norm {self.value:.4g} at step {self.step} is above {self.threshold:.4g} "
-                f"(baseline {self.baseline:.4g}): early warning of a loss spike")
+                f"(baseline {self.baseline:.4g}) since step {self.start_step}: early warning of a loss spike")
 
 
-CENTER_WINDOW = 128
-SPREAD = "mad"
-
-
-def _robust_stats(values: deque, min_rel_spread: float) -> tuple[float, float]:
+def _robust_stats(values: deque[float], center_window: int, min_rel_spread: float) -> tuple[float, float]:
+    """(center, spread) of a baseline: the median of its newest `center_window` points, and the noise's
+    standard deviation estimated from the step-to-step differences of all of them. Early in training
+    the loss falls fast: the median of a whole window then lags far above the loss, and deviations from
+    it would count the fall as noise; the differences do not see the fall."""
     vals = list(values)
-    center = statistics.median(vals[-CENTER_WINDOW:])
-    if SPREAD == "mad":
-        mad = statistics.median(abs(v - center) for v in vals)
-    else:
-        d = [b - a for a, b in zip(vals, vals[1:])]
-        md = statistics.median(d)
-        mad = statistics.median(abs(x - md) for x in d) / math.sqrt(2)
-    return center, max(_MAD_TO_SIGMA * mad, min_rel_spread * abs(center))
+    center = statistics.median(vals[-center_window:])
+    diffs = [b - a for a, b in zip(vals, vals[1:])]
+    mid = statistics.median(diffs)
+    # A difference of two independent noisy points has sqrt(2) times their standard deviation.
+    spread = _MAD_TO_SIGMA * statistics.median(abs(d - mid) for d in diffs) / math.sqrt(2)
+    return center, max(spread, min_rel_spread * abs(center))
 
 
 def _threshold(center: float, spread: float, sigmas: float, ratio: float) -> float:
     """The value above which a point is an outlier: center + sigmas * spread, or ratio * center if lower."""
     threshold = center + sigmas * spread
-    return min(threshold, ratio * center) if center > 0 else threshold  # no ratio for a loss that can be negative
+    return min(threshold, ratio * center) if center > 0 else threshold  # no ratio for a center <= 0
 
 
 class SpikeDetector:
-    """Findings from a stream of (step, loss, grad_norm); one per step, steps increasing."""
+    """Findings from a stream of (step, loss, grad_norm), one update per step, steps increasing."""
 
     def __init__(self, cfg: SpikeConfig):
         self.cfg = cfg
         self._reset(last_step=None)
+        # For rewind(): snapshots of the state, each with the updates fed after it, oldest first.
         self._journal: deque[tuple[dict, list[tuple[int, float, float]]]] = deque([(self.state_dict(), [])])
 
     def _reset(self, last_step: int | None) -> None:
         self.last_step = last_step
         self._losses: deque[float] = deque(maxlen=self.cfg.window)  # the baseline
         self._grads: deque[float] = deque(maxlen=self.cfg.window)  # the grad norm's baseline
-        # The current run: consecutive (step, loss) above the hold level, kept out of the baseline.
-        # Before its first outlier (`outlier_step` None) it holds at most persistence - 1 steps.
-        self._run: list[tuple[int, float]] = []
-        self._outlier_step: int | None = None
-        self._confirmed = False
-        self._grad_run = False  # the previous grad norm was an outlier too: warn once per run
+        # Steps above the hold level with no outlier yet (at most persistence - 1), out of the baseline
+        # until it is clear whether they begin a run of outliers.
+        self._pending: list[tuple[int, float]] = []
+        self._start: int | None = None  # first step of the current run of outliers; None: no run
+        self._high = 0  # the run's steps above the hold level, from its first outlier on
+        self._back = 0  # the run's latest steps in a row below the hold level
+        self._confirmed = False  # the run was confirmed as a spike
+        self._grad_start = 0  # first step of the current run of grad-norm outliers ...
+        self._grad_count = 0  # ... and its length (0: no run)
 
     def update(self, step: int, loss: float, grad_norm: float) -> list[Finding]:
+        """Findings of this step. A non-finite loss or grad norm is ignored (the non-finite guard's job)."""
         if not self.cfg.enabled:
             return []
         if self.last_step is not None and step <= self.last_step:
-            self.rewind(step - 1)  # the step runs again (a restart that did not call rewind)
+            self.rewind(step - 1)  # the step runs again: a restart that did not call rewind()
         if len(self._journal[-1][1]) >= _SNAPSHOT_EVERY:
             self._journal.append((self.state_dict(), []))
-            # Drop the oldest snapshot once the next one is `history` updates back: that one suffices.
+            # The oldest snapshot goes once the next one is `history` updates back: that one suffices.
             while len(self._journal) > 1 and sum(len(u) for _, u in list(self._journal)[1:]) >= self.cfg.history:
                 self._journal.popleft()
         self._journal[-1][1].append((step, loss, grad_norm))
@@ -142,45 +150,57 @@ class SpikeDetector:
 
     def _observe_loss(self, step: int, loss: float) -> list[Finding]:
         cfg = self.cfg
-        center, spread = _robust_stats(self._losses, cfg.min_rel_spread)
+        center, spread = _robust_stats(self._losses, cfg.center_window, cfg.min_rel_spread)
         threshold = _threshold(center, spread, cfg.sigmas, cfg.ratio)
         outlier = loss > threshold or (center > 0 and loss >= cfg.ratio * center)
         hold_level = center + cfg.hold * (threshold - center)
-        if not (outlier or loss > hold_level):
-            return self._end_run(step, loss, center, hold_level)
+        high = outlier or loss > hold_level
         findings = []
-        self._run.append((step, loss))
-        if outlier and self._outlier_step is None:
-            self._outlier_step = step
-            findings.append(Finding("loss_outlier", step, self._run[0][0], loss, center, threshold))
-        if self._outlier_step is None:
-            if len(self._run) >= cfg.persistence:  # high, but no outlier yet: the oldest is just noise
-                self._losses.append(self._run.pop(0)[1])
-        elif not self._confirmed and step - self._outlier_step + 1 >= cfg.persistence:
+        if self._start is None:
+            if not outlier:
+                if not high:
+                    self._losses.extend(v for _, v in self._pending)  # never an outlier: ordinary noise
+                    self._pending = []
+                    self._losses.append(loss)
+                else:
+                    self._pending.append((step, loss))
+                    if len(self._pending) >= cfg.persistence:  # high for a while, no outlier: the oldest was noise
+                        self._losses.append(self._pending.pop(0)[1])
+                return []
+            # The run starts with the high steps just before this outlier; they stay out of the baseline.
+            self._start = self._pending[0][0] if self._pending else step
+            self._pending = []
+            self._high, self._back, self._confirmed = 0, 0, False
+            findings.append(Finding("loss_outlier", step, self._start, loss, center, threshold))
+        elif not high:
+            # One low step amid a noisy spike must not end it (a healed run and a new one, or a second
+            # confirmation of the same plateau): a run ends after `persistence` low steps in a row.
+            self._losses.append(loss)
+            self._back += 1
+            if self._back < cfg.persistence:
+                return []
+            start, self._start = self._start, None
+            return [] if self._confirmed else [Finding("spike_healed", step, start, loss, center, hold_level)]
+        self._back = 0
+        self._high += 1
+        if not self._confirmed and self._high >= cfg.persistence:
             self._confirmed = True
-            findings.append(Finding("spike_confirmed", step, self._run[0][0], loss, center, threshold))
-        return findings
-
-    def _end_run(self, step: int, loss: float, center: float, hold_level: float) -> list[Finding]:
-        findings = []
-        if self._outlier_step is None:
-            self._losses.extend(v for _, v in self._run)  # never an outlier: ordinary noise after all
-        elif not self._confirmed:
-            findings.append(Finding("spike_healed", step, self._run[0][0], loss, center, hold_level))
-        self._run, self._outlier_step, self._confirmed = [], None, False
-        self._losses.append(loss)
+            findings.append(Finding("spike_confirmed", step, self._start, loss, center, threshold))
         return findings
 
     def _observe_grad(self, step: int, grad_norm: float, verdicts: bool) -> list[Finding]:
         if verdicts:
             cfg = self.cfg
-            center, spread = _robust_stats(self._grads, cfg.min_rel_spread)
+            center, spread = _robust_stats(self._grads, cfg.window, cfg.min_rel_spread)
             threshold = _threshold(center, spread, cfg.grad_sigmas, cfg.grad_ratio)
             if grad_norm > threshold or (center > 0 and grad_norm >= cfg.grad_ratio * center):
-                warn = not self._grad_run
-                self._grad_run = True
-                return [Finding("grad_norm_spike", step, step, grad_norm, center, threshold)] if warn else []
-        self._grad_run = False
+                if self._grad_count == 0:
+                    self._grad_start = step
+                self._grad_count += 1
+                if self._grad_count == cfg.grad_persistence:  # once per run
+                    return [Finding("grad_norm_spike", step, self._grad_start, grad_norm, center, threshold)]
+                return []
+        self._grad_count = 0
         self._grads.append(grad_norm)
         return []
 
@@ -205,10 +225,13 @@ class SpikeDetector:
             "last_step": self.last_step,
             "losses": list(self._losses),
             "grads": list(self._grads),
-            "run": [list(item) for item in self._run],
-            "outlier_step": self._outlier_step,
+            "pending": [list(item) for item in self._pending],
+            "start": self._start,
+            "high": self._high,
+            "back": self._back,
             "confirmed": self._confirmed,
-            "grad_run": self._grad_run,
+            "grad_start": self._grad_start,
+            "grad_count": self._grad_count,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -219,7 +242,10 @@ class SpikeDetector:
         self._reset(state["last_step"])
         self._losses.extend(state["losses"])
         self._grads.extend(state["grads"])
-        self._run = [(int(s), float(v)) for s, v in state["run"]]
-        self._outlier_step = state["outlier_step"]
+        self._pending = [(int(s), float(v)) for s, v in state["pending"]]
+        self._start = state["start"]
+        self._high = state["high"]
+        self._back = state["back"]
         self._confirmed = state["confirmed"]
-        self._grad_run = state["grad_run"]
+        self._grad_start = state["grad_start"]
+        self._grad_count = state["grad_count"]

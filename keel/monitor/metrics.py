@@ -40,11 +40,14 @@ STEP_DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 
 # Counters, each counting run-store events of one kind.
 COUNTERS = (
-    MetricSpec("keel_nonfinite_steps_total", "counter", "", "Steps whose loss or gradient norm was NaN or Inf.", "nonfinite"),
+    MetricSpec("keel_nonfinite_steps_total", "counter", "", "Steps skipped (no update) because a loss or gradient was NaN or Inf.", "nonfinite"),
     MetricSpec("keel_loss_spikes_total", "counter", "", "Loss spikes confirmed by the spike detector.", "spike"),
     MetricSpec("keel_rollbacks_total", "counter", "", "Rollbacks to an earlier checkpoint.", "rollback"),
-    MetricSpec("keel_skipped_steps_total", "counter", "", "Steps skipped (no update) or batches skipped as bad data.", "skip_data"),
+    MetricSpec("keel_data_skips_total", "counter", "", "Windows of bad batches skipped after a rollback.", "skip_data"),
     MetricSpec("keel_checkpoints_total", "counter", "", "Checkpoints saved.", "checkpoint_saved"),
+    MetricSpec("keel_checkpoints_corrupt_total", "counter", "", "Checkpoints that failed verification on load.", "checkpoint_corrupt"),
+    MetricSpec("keel_hangs_total", "counter", "", "Hangs the watchdog detected.", "hang"),
+    MetricSpec("keel_oom_total", "counter", "", "Out-of-memory errors recovered by halving the micro-batch.", "oom"),
     MetricSpec("keel_restarts_total", "counter", "", "Restarts of the worker group.", "restart"),
     MetricSpec("keel_faults_injected_total", "counter", "", "Faults injected by chaos hooks or drills.", "fault_injected"),
     MetricSpec("keel_alerts_total", "counter", "", "Alerts raised by Keel, by kind and severity.", "alert"),

@@ -1,7 +1,7 @@
 """comm_share: exposed communication time ÷ step time, measured on sampled steps with torch.profiler.
 
 Communication runs on other threads (gloo's workers) or CUDA streams (NCCL kernels). It is exposed
-when nothing else is computing meanwhile: on CPU, the training thread is not inside a compute op; on
+when nothing else is computing meanwhile: on CPU, the training thread is not inside an aten op; on
 GPU, no compute kernel runs. Exposed time = |communication intervals minus compute intervals|.
 """
 
@@ -16,6 +16,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 STEP_MARK = "keel.step"
 _COMM_PREFIXES = ("gloo:", "nccl:", "c10d::", "_c10d_functional::", "record_param_comms")
+# Compute on the training thread is its aten ops. Not the annotations around them: FSDP's
+# "FSDP::pre_forward" / "FSDP::all_gather" and the pipeline's step labels wrap the waits for other
+# ranks, and counting them as compute hid exactly the communication a slow rank makes the others wait in.
+_COMPUTE_PREFIX = "aten::"
 
 
 def _is_comm(name: str) -> bool:
@@ -70,7 +74,7 @@ def exposed_comm_seconds(prof: profile) -> float:
                 (comm if _is_comm(e.name()) else compute).append((start, end))
         elif _is_comm(e.name()):
             comm.append((start, end))
-        elif e.start_thread_id() == main_thread:
+        elif e.start_thread_id() == main_thread and e.name().startswith(_COMPUTE_PREFIX):
             compute.append((start, end))
     return exposed_time(comm, compute) / 1e9
 

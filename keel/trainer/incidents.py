@@ -55,8 +55,9 @@ class Incidents:
         message = f"rolled back from step {step} to the checkpoint of step {restored.step} ({reason})"
         self._note("rollback", message, "critical", step=step, attempt=attempt, data=data, alert="rollback")
         first, end = skipped
-        self._note("skip_data", f"skipping batches {first}..{end - 1} ({end - first} batches), read at steps {restored.step + 1}..{step} and after",
-                   "warning", step=restored.step, attempt=attempt, data={"first_batch": first, "end_batch": end, "batches": end - first})
+        if end > first:
+                self._note("skip_data", f"skipping batches {first}..{end - 1} ({end - first} batches), read at steps {restored.step + 1}..{step} and after",
+                       "warning", step=restored.step, attempt=attempt, data={"first_batch": first, "end_batch": end, "batches": end - first})
 
     def no_rollback_target(self, step: int, attempt: int, reason: str, bad_from: int) -> None:
         self._note("rollback_failed", f"cannot roll back ({reason}): no good checkpoint before step {bad_from}; training goes on",

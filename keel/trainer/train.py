@@ -182,7 +182,8 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int, process_s
         faults.begin_step(step)
         t0 = time.perf_counter()
         batch_index = sampler.batch_index
-        inputs, targets = faults.poison_batch(batch_index, *sampler.next_batch())  # the chaos hook point on data
+        inputs, targets = sampler.next_batch()
+        inputs, targets = faults.poison_batch(sampler.batch_index - 1, inputs, targets)  # the chaos hook point on data
         inputs, targets = torch.from_numpy(inputs).to(device, non_blocking=True), torch.from_numpy(targets).to(device, non_blocking=True)
         data_time = time.perf_counter() - t0
         lr = lr_at(step, cfg.optim, cfg.training.steps) * guard.lr_scale(step)
@@ -349,7 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         if world > 1:
             dist.broadcast_object_list(names, src=0)
         cfg.run.run_id, cfg.run.run_dir = names
-    return train(cfg, device, rank, world, process_start)
+    train(cfg, device, rank, world, process_start)
+    # A run that stopped on purpose (the rollback cap) recorded `run_stopped` with its exit code, which
+    # `keel train` returns; the worker itself ends cleanly, or torchrun would restart it.
+    return EXIT_OK
 
 
 if __name__ == "__main__":
