@@ -41,7 +41,8 @@ class SpikeConfig:
     # above the hold level, center + hold * (threshold - center) (at most persistence - 1 of them).
     hold: float = 0.5  # fraction of the way from the center to the threshold; 1: only outliers count
     # The run is a confirmed spike once `persistence` of its steps, from the first outlier on, were above
-    # the hold level; it ends after `persistence` steps in a row below it (healed, if not confirmed).
+    # the hold level. Before that it ends (healed) after `persistence` steps in a row below the hold
+    # level; once confirmed, after `persistence` steps in a row at or below the center.
     persistence: int = 3  # steps
     warmup_steps: int = 50  # no verdicts before this step (the baseline still fills)
     min_baseline: int = 16  # no verdicts until the baseline holds this many points
@@ -116,7 +117,7 @@ class SpikeDetector:
         self._pending: list[tuple[int, float]] = []
         self._start: int | None = None  # first step of the current run of outliers; None: no run
         self._high = 0  # the run's steps above the hold level, from its first outlier on
-        self._back = 0  # the run's latest steps in a row below the hold level
+        self._back = 0  # steps in a row the run has been back (see _observe_loss)
         self._confirmed = False  # the run was confirmed as a spike
         self._grad_start = 0  # first step of the current run of grad-norm outliers ...
         self._grad_count = 0  # ... and its length (0: no run)
@@ -174,9 +175,12 @@ class SpikeDetector:
             findings.append(Finding("loss_outlier", step, self._start, loss, center, threshold))
         elif not high:
             # One low step amid a noisy spike must not end it (a healed run and a new one, or a second
-            # confirmation of the same plateau): a run ends after `persistence` low steps in a row.
+            # confirmation of the same plateau): a run ends after `persistence` steps in a row below
+            # the hold level, a confirmed one only after as many at or below the center (the tail of a
+            # decaying spike is no new spike).
             self._losses.append(loss)
-            self._back += 1
+            back = loss <= center if self._confirmed else True
+            self._back = self._back + 1 if back else 0
             if self._back < cfg.persistence:
                 return []
             start, self._start = self._start, None

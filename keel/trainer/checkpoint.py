@@ -1,7 +1,8 @@
 """Checkpoints: DCP sharded saves written in the background, made atomic and verifiable by a manifest.
 
 A save is written by every rank into checkpoints/.tmp-step-XXXXXXXX with torch.distributed.checkpoint
-(async_save: training waits only while the state is copied aside). When DCP reports the whole save
+(async_save: the state is copied aside in the background while the next step computes, and the
+optimizer waits for the copy only if it is not done yet). When DCP reports the whole save
 complete, rank 0 hashes every file, writes manifest.json (step, sha256 per file, config hash, data and
 code version, the trainer's own state) and renames the folder to step-XXXXXXXX. A folder without that
 name was never finished and is never loaded. Loading verifies the hashes; a corrupt checkpoint is
@@ -20,7 +21,8 @@ import shutil
 import threading
 import time
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from keel.trainer.config import CheckpointConfig, JobConfig
@@ -126,7 +129,14 @@ class Checkpointer:
         # A save in flight runs its own collectives from DCP's thread; a group of its own keeps them
         # from interleaving with the training collectives.
         self.group = dist.new_group(backend="gloo") if world > 1 and cfg.async_save else None
-        self.pending: Future | None = None
+        # One staging thread, and one stager that keeps its CPU buffers from save to save (allocating
+        # them anew made every save block four times longer).
+        self._stage_thread = ThreadPoolExecutor(1, thread_name_prefix="keel-ckpt-stage")
+        cuda = torch.cuda.is_available()
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                                                   use_non_blocking_copy=cuda)) if cfg.async_save else None
+        self.staging: Future | None = None  # staging, then DCP's upload future
+        self.blocking_s = 0.0  # how long training waited for the save in flight
         self._finalized = threading.Event()
         self._finalized.set()
         self._results: list[SaveResult] = []
@@ -155,7 +165,11 @@ class Checkpointer:
         return {"model": model_sd, "optim": optim_sd, "rng": rng}
 
     def save(self, step: int, train_state: dict, now: float) -> float:
-        """Starts saving the state after `step`; returns how long training was blocked (seconds)."""
+        """Starts saving the state after `step`; returns how long this call blocked (seconds).
+
+        With async_save the state is staged (copied aside) by a background thread while the next
+        step's forward and backward run; `before_update` waits for the copy before the optimizer may
+        change what is being copied. The files are then written by DCP's own thread."""
         started = time.perf_counter()
         self.wait()
         tmp = self.dir / f".tmp-{checkpoint_name(step)}"
@@ -167,18 +181,34 @@ class Checkpointer:
         self.last_step, self.last_time = step, now
         self._finalized.clear()
         if self.cfg.async_save:
-            self.pending = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
-            blocking = time.perf_counter() - started
-            self.pending.add_done_callback(lambda f: self._finish(f, step, tmp, train_state, started, blocking))
+            def stage_and_start() -> Future:
+                return dcp.async_save(state, checkpoint_id=tmp, process_group=self.group, async_stager=self.stager)
+
+            self.staging = self._stage_thread.submit(stage_and_start)
+            self.blocking_s = time.perf_counter() - started
+            self.staging.add_done_callback(lambda f: self._staged(f, step, tmp, train_state, started))
         else:
             dcp.save(state, checkpoint_id=tmp)
-            blocking = time.perf_counter() - started
+            self.blocking_s = time.perf_counter() - started
             done: Future = Future()
             done.set_result(None)
-            self._finish(done, step, tmp, train_state, started, blocking)
-        return blocking
+            self._finish(done, step, tmp, train_state, started)
+        return self.blocking_s
 
-    def _finish(self, future: Future, step: int, tmp: Path, train_state: dict, started: float, blocking: float) -> None:
+    def before_update(self) -> None:
+        """Called before the optimizer changes the parameters: waits until a save in flight has copied them."""
+        if self.staging is not None and not self.staging.done():
+            started = time.perf_counter()
+            wait_for([self.staging])
+            self.blocking_s += time.perf_counter() - started
+
+    def _staged(self, staging: Future, step: int, tmp: Path, train_state: dict, started: float) -> None:
+        if staging.exception() is not None:
+            self._finish(staging, step, tmp, train_state, started)
+        else:
+            staging.result().add_done_callback(lambda upload: self._finish(upload, step, tmp, train_state, started))
+
+    def _finish(self, future: Future, step: int, tmp: Path, train_state: dict, started: float) -> None:
         """Runs when this rank's part of a save is complete. On rank 0 that means the whole save is
         (DCP's coordinator writes the metadata after every rank reported its files): seal it."""
         try:
@@ -194,7 +224,7 @@ class Checkpointer:
                 except OSError as e:
                     error = f"{type(e).__name__}: {e}"
             with self._lock:
-                self._results.append(SaveResult(step, final, blocking, time.perf_counter() - started, error, removed))
+                self._results.append(SaveResult(step, final, self.blocking_s, time.perf_counter() - started, error, removed))
         finally:
             self._finalized.set()
 
@@ -240,10 +270,17 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Blocks until this rank's save in flight is written (and sealed, on rank 0)."""
-        if self.pending is not None:
-            self.pending.result()
-            self.pending = None
+        if self.staging is not None:
+            upload = self.staging.result()
+            upload.result()
+            self.staging = None
         self._finalized.wait()
+
+    def close(self) -> None:
+        self.wait()
+        self._stage_thread.shutdown()
+        if self.stager is not None:
+            self.stager.close()
 
     # -- loading --------------------------------------------------------------------------------
 

@@ -203,6 +203,7 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int, process_s
                     log.warning("step %d skipped: a loss or gradient is not finite on some rank (global grad norm %s)", step, grad_norm)
                 else:
                     clip_grads(parts, cfg.optim.grad_clip, grad_norm)
+                    checkpointer.before_update()  # a save in flight must have copied the parameters
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         except torch.OutOfMemoryError:
@@ -254,7 +255,7 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int, process_s
         incidents.saved(checkpointer.poll(), attempt)
 
     watchdog.beat("checkpoint_save", step, attempt)
-    checkpointer.wait()
+    checkpointer.close()
     incidents.saved(checkpointer.poll(), attempt)
     watchdog.stop()
     if recorder is not None:
