@@ -34,6 +34,7 @@ CASES = {
     "unknown fault": (["--fault", "melt@step=3"], ["chaos.faults", "unknown fault 'melt'", "choose one of"]),
     "fault without step": (["--fault", "crash@rank=1"], ["chaos.faults", "has no step"]),
     "spike baseline larger than window": (["--spike.min_baseline=500"], ["spike.min_baseline=500", "spike.window=128"]),
+    "spike hold outside [0, 1]": (["--spike.hold=1.5"], ["spike.hold=1.5", "[0, 1]"]),
     "spike ratio not above 1": (["--spike.ratio=0.5"], ["spike.ratio=0.5", "above 1"]),
     "lr factor above 1": (["--recovery.lr_factor=2"], ["recovery.lr_factor=2.0", "(0, 1]"]),
     "no rollback without a nonfinite limit": (["--recovery.nonfinite_limit=0"], ["recovery.nonfinite_limit=0", "at least 1"]),

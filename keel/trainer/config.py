@@ -381,6 +381,13 @@ def _validate_stability(cfg: JobConfig) -> None:
     if sp.min_baseline > sp.window:
         raise ConfigError(f"spike.min_baseline={sp.min_baseline} is larger than spike.window={sp.window}; lower it or widen the window")
     _at_least("spike.persistence", sp.persistence, 1)
+    _at_least("spike.grad_persistence", sp.grad_persistence, 1)
+    _at_least("spike.min_rel_spread", sp.min_rel_spread, 0)
+    _at_least("spike.history", sp.history, 0)
+    if not 1 <= sp.center_window <= sp.window:
+        raise ConfigError(f"spike.center_window={sp.center_window}: must be between 1 and spike.window={sp.window}")
+    if not 0 <= sp.hold <= 1:
+        raise ConfigError(f"spike.hold={sp.hold}: must be in [0, 1] (a fraction of the way from the center to the threshold)")
     _at_least("spike.warmup_steps", sp.warmup_steps, 0)
     for name in ("sigmas", "grad_sigmas"):
         if not getattr(sp, name) > 0:
