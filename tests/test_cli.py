@@ -11,6 +11,7 @@ import pandas as pd
 
 from conftest import REPO, keel
 from keel.monitor.store import read_events, read_steps
+from keel.trainer.checkpoint import list_checkpoints, verify
 from keel.trainer.config import load_config
 from keel.trainer.launch import parse_train_args, torchrun_command
 
@@ -19,8 +20,14 @@ def test_run_directory_contract(reference_dir):
     assert (reference_dir / "run.sqlite").is_file()
     assert load_config(str(reference_dir / "config.toml")).training.steps == 20
     assert (reference_dir / "logs" / "rank-0.log").is_file()
+    # A checkpoint is saved after the last step (so `keel train --resume` can extend the run) and
+    # verifies against its manifest.
+    assert [s for s, _ in list_checkpoints(reference_dir)] == [20]
+    assert verify(list_checkpoints(reference_dir)[0][1]) is None
     events = read_events(reference_dir)
-    assert list(events.kind) == ["run_started", "run_finished", "sinks_closed"]
+    assert list(events.kind) == ["run_started", "checkpoint_saved", "run_finished", "goodput", "sinks_closed"]
+    goodput = events[events.kind == "goodput"].iloc[0].data
+    assert 0 < goodput["goodput"] <= 1 and goodput["lost_s"]["recomputed"] == 0
     prometheus = events.iloc[-1].data["prometheus"]  # the exporter is on by default
     assert prometheus["dropped"] == 0 and prometheus["failures"] == 0 and prometheus["cpu_s"] > 0
 

@@ -47,11 +47,13 @@ class PrometheusSink:
     def __init__(self, run_id: str, host: str = "127.0.0.1", port: int = 9400, pushgateway_url: str = ""):
         self.run_id, self.pushgateway_url = run_id, pushgateway_url
         self.registry = CollectorRegistry()
-        # The labelled children are looked up once: .labels() takes a lock and a dict lookup per call.
-        self.gauges = {
-            m.source: Gauge(m.name, m.help, ["run_id"], registry=self.registry).labels(run_id)
+        self.gauge_families = {
+            m.source: Gauge(m.name, m.help, ["run_id"], registry=self.registry)
             for m in metrics.GAUGES if m.name != "keel_rank_step_duration_seconds"
         }
+        # The labelled children are looked up once, at the first step (.labels() takes a lock and a dict
+        # lookup per call). Not before: a gauge would read 0 until then, and a loss of 0 is a lie.
+        self.gauges: dict[str, Any] = {}
         self.rank_step = Gauge("keel_rank_step_duration_seconds", "Duration of the last step on each rank.", ["run_id", "rank"], registry=self.registry)
         self.rank_children: dict[int, Any] = {}
         self.step_duration = Histogram(
@@ -68,6 +70,8 @@ class PrometheusSink:
         log.info("Prometheus exporter on http://%s:%d/metrics", host, self.port)
 
     def on_step(self, row: dict[str, Any], rank_rows: list[dict[str, Any]]) -> None:
+        if not self.gauges:
+            self.gauges = {source: family.labels(self.run_id) for source, family in self.gauge_families.items()}
         for column, gauge in self.gauges.items():
             value = row.get(column)
             if value is not None:
