@@ -170,3 +170,12 @@ def test_round_trip_through_the_run_store(tmp_path):
 def test_a_fresh_store_is_all_zeros(tmp_path):
     RunStore(tmp_path).close()
     assert goodput_of_run(tmp_path) == Goodput(wall_s=0.0, productive_s=0.0, lost_s=lost())
+
+
+def test_productive_time_never_exceeds_the_wall_clock():
+    """Step times are the slowest rank's; when ranks take turns being slowest, their sum overshoots the
+    clock between step ends. Each step counts at most the wall time since the previous one ended."""
+    started = events_frame([(0, "run_started", {"process_start": T0})])
+    steps = steps_frame([(1, 0, 2.0, 2.0, 0), (2, 0, 4.0, 2.5, 0), (3, 0, 6.0, 2.5, 0)])
+    g = compute_goodput(steps, started)
+    assert g.productive_s == 6.0 and g.wall_s == 6.0 and g.goodput == 1.0
