@@ -69,3 +69,14 @@ def test_misuse_is_an_error():
         StragglerTracker(StragglerConfig(window=2, min_samples=3), world=2)
     with pytest.raises(ValueError, match="expected 2 busy times"):
         StragglerTracker(StragglerConfig(), world=2).update([0.1])
+
+
+def test_ranks_are_compared_with_their_own_pipeline_stage():
+    """The last stage computes the loss and is slower by design: that is not a straggler. A slow rank
+    inside a stage still is."""
+    tracker = StragglerTracker(StragglerConfig(), 4, peers=[[0, 1], [2, 3]])
+    flagged = []
+    for _ in range(5):
+        flagged += tracker.update([1.0, 1.0, 2.0, 4.0])
+    assert flagged == [(3, 0.5)]
+    assert tracker.scores() == [1.0, 1.0, 1.0, 0.5]

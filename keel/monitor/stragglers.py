@@ -2,8 +2,8 @@
 
 A rank's busy time is its step time minus its communication time: a slow rank makes the others wait in
 collectives, so their step times match its own and only the time outside communication tells them apart.
-A rank's score is the fastest rank's median busy time over the window divided by its own (1.0 = on
-par, 0.5 = twice as slow). Medians, so that one slow sample (a GC pause, a page fault) flags nothing.
+A rank's score is the fastest peer's median busy time over the window divided by its own (1.0 = on
+par, 0.5 = twice as slow); peers are the ranks that do the same work (the same pipeline stage). Medians, so that one slow sample (a GC pause, a page fault) flags nothing.
 """
 
 from __future__ import annotations
@@ -25,12 +25,17 @@ class StragglerConfig:
 class StragglerTracker:
     """Scores per rank, fed one busy time per rank for each step where communication was measured."""
 
-    def __init__(self, cfg: StragglerConfig, world: int) -> None:
+    def __init__(self, cfg: StragglerConfig, world: int, peers: Sequence[Sequence[int]] | None = None) -> None:
         if not 1 <= cfg.min_samples <= cfg.window:
             # Otherwise no rank would ever get a score, and the tracker would silently flag nothing.
             raise ValueError(f"stragglers.min_samples={cfg.min_samples} must be between 1 and stragglers.window={cfg.window}")
         self.cfg = cfg
         self.world = world
+        # Ranks compared with each other: those doing the same work. Pipeline stages differ in their
+        # layers (the first embeds, the last computes the loss), so a rank is measured against the
+        # fastest rank of its own stage, not of the whole job. Default: all ranks are peers.
+        groups = peers or [range(world)]
+        self._peers = {r: list(group) for group in groups for r in group}
         self._samples = [deque(maxlen=cfg.window) for _ in range(world)]
         self._flagged: set[int] = set()
 
@@ -59,5 +64,8 @@ class StragglerTracker:
     def scores(self) -> list[float]:
         """The current score of each rank; NaN for a rank with fewer than min_samples samples."""
         medians = [statistics.median(s) if len(s) >= self.cfg.min_samples else math.nan for s in self._samples]
-        fastest = min((m for m in medians if not math.isnan(m)), default=math.nan)
-        return [fastest / m for m in medians]
+        scores = []
+        for rank, median in enumerate(medians):
+            fastest = min((medians[p] for p in self._peers[rank] if not math.isnan(medians[p])), default=math.nan)
+            scores.append(fastest / median)
+        return scores

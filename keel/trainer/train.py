@@ -146,7 +146,8 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int, process_s
 
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, parts, optimizer, rank, world, manifest_info(cfg, source.version))
     guard = StabilityGuard(cfg.recovery, cfg.spike)
-    stragglers = StragglerTracker(cfg.stragglers, world)
+    stage_size = world // layout.pp  # mesh order (pp, dp, tp): each pipeline stage is a block of ranks
+    stragglers = StragglerTracker(cfg.stragglers, world, [range(k * stage_size, (k + 1) * stage_size) for k in range(layout.pp)])
     step = 0
     if resuming:
         watchdog.beat("checkpoint_load", 0, attempt)
