@@ -76,6 +76,19 @@ def test_corrupt_checkpoint_falls_back_to_previous(tmp_path):
     # Steps 9..12 ran again from the good checkpoint and gave exactly what they gave the first time.
     np.testing.assert_array_equal(run[run.step.between(9, 12)].loss.to_numpy(), first[first.step.between(9, 12)].loss.to_numpy())
 
+    # With every checkpoint corrupt, a resume says so for each one and starts over rather than load any.
+    saved = list_checkpoints(run_dir)
+    assert [s for s, _ in saved] == [8, 12, 16]  # retention kept the newest three
+    for _, path in saved:
+        (path / "manifest.json").write_text("{not json")
+    proc = keel("train", "--resume", str(run_dir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = read_events(run_dir)
+    last_start = events[events.kind == "run_started"].index[-1]
+    after = events.loc[last_start:]
+    assert len(after[after.kind == "checkpoint_corrupt"]) == 3 and "checkpoint_missing" in set(after.kind)
+    assert list(read_steps(run_dir, effective=True).step) == list(range(1, 17))
+
 
 def test_nan_is_skipped_on_every_rank_and_three_in_a_row_roll_back(tmp_path):
     run_dir = tmp_path / "run"

@@ -82,6 +82,15 @@ def verify(path: Path) -> str | None:
     return None
 
 
+def _free_name(path: Path, suffix: str) -> Path:
+    """path + suffix, or + suffix-2, -3, ... when that exists (the same step can go bad twice)."""
+    candidate, n = path.with_name(path.name + suffix), 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}{suffix}-{n}")
+    return candidate
+
+
 class WholeModel(nn.Module):
     """This rank's model parts seen as one module, so state-dict keys are the single model's names
     (layers.7.attention.wq.weight), whatever the pipeline split: checkpoints do not depend on the layout."""
@@ -142,6 +151,7 @@ class Checkpointer:
         self._results: list[SaveResult] = []
         self._lock = threading.Lock()
         self.last_step, self.last_time = 0, time.time()
+        self.corrupt: list[str] = []
 
     @property
     def enabled(self) -> bool:
@@ -295,6 +305,7 @@ class Checkpointer:
         if self.world > 1:
             dist.broadcast_object_list(choice, src=0)
         step, corrupt = choice
+        self.corrupt = corrupt  # what was wrong with each checkpoint passed over, also when none was good
         if step is None:
             return None
         path = self.dir / checkpoint_name(step)
@@ -320,7 +331,7 @@ class Checkpointer:
                 return [step, corrupt]
             log.error("checkpoint %s", problem)
             corrupt.append(problem)
-            os.rename(path, path.with_name(path.name + ".corrupt"))  # kept for a person to look at, never loaded
+            os.rename(path, _free_name(path, ".corrupt"))  # kept for a person to look at, never loaded
         return [None, corrupt]
 
     def discard_after(self, step: int) -> list[str]:

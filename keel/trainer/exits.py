@@ -14,12 +14,3 @@ EXIT_ROLLBACK_CAP = 4  # too many rollbacks without progress: the run stopped in
 EXIT_OOM_RESTART = 5  # out of memory with collectives in flight: restart with half the micro-batch
 EXIT_OOM = 6  # out of memory and the micro-batch cannot be halved again
 
-MEANINGS = {
-    EXIT_OK: "finished",
-    EXIT_FAILED: "a worker failed",
-    EXIT_CONFIG: "bad configuration",
-    EXIT_HANG: "hang watchdog fired",
-    EXIT_ROLLBACK_CAP: "rollback cap reached",
-    EXIT_OOM_RESTART: "out of memory, restarting with half the micro-batch",
-    EXIT_OOM: "out of memory at the smallest micro-batch",
-}

@@ -59,20 +59,23 @@ class Incidents:
                 self._note("skip_data", f"skipping batches {first}..{end - 1} ({end - first} batches), read at steps {restored.step + 1}..{step} and after",
                        "warning", step=restored.step, attempt=attempt, data={"first_batch": first, "end_batch": end, "batches": end - first})
 
-    def no_rollback_target(self, step: int, attempt: int, reason: str, bad_from: int) -> None:
+    def no_rollback_target(self, step: int, attempt: int, reason: str, bad_from: int, corrupt: list[str]) -> None:
+        self._corrupt(corrupt, attempt)
         self._note("rollback_failed", f"cannot roll back ({reason}): no good checkpoint before step {bad_from}; training goes on",
                    "critical", step=step, attempt=attempt, data={"bad_from": bad_from}, alert="rollback_failed")
 
-    def loaded(self, restored: Restored, attempt: int) -> None:
-        for problem in restored.corrupt:
+    def _corrupt(self, problems: list[str], attempt: int) -> None:
+        for problem in problems:
             self._note("checkpoint_corrupt", f"corrupt checkpoint {problem}; falling back to an older one", "critical",
                        attempt=attempt, data={"problem": problem}, alert="checkpoint_corrupt")
+
+    def loaded(self, restored: Restored, attempt: int) -> None:
+        self._corrupt(restored.corrupt, attempt)
         self._note("checkpoint_loaded", f"loaded {restored.path.name} in {restored.load_s:.2f} s", step=restored.step,
                    attempt=attempt, data={"path": str(restored.path), "load_s": restored.load_s})
 
     def no_checkpoint(self, attempt: int, corrupt: list[str]) -> None:
-        for problem in corrupt:
-            self._note("checkpoint_corrupt", f"corrupt checkpoint {problem}", "critical", attempt=attempt, data={"problem": problem}, alert="checkpoint_corrupt")
+        self._corrupt(corrupt, attempt)
         self._note("checkpoint_missing", "no good checkpoint to resume from: starting at step 1", "warning", attempt=attempt)
 
     def saved(self, results: list[SaveResult], attempt: int) -> None:

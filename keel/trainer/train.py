@@ -158,7 +158,7 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int, process_s
             guard.load_state_dict(restored.train_state["guard"])
             incidents.loaded(restored, attempt)
         else:
-            incidents.no_checkpoint(attempt, [])
+            incidents.no_checkpoint(attempt, checkpointer.corrupt)
         if restart_count:
             incidents.restart(attempt, restart_count, process_start - last_recorded if last_recorded else 0.0, step)
 
@@ -220,7 +220,8 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int, process_s
         row, fault_ranks = reporter.report(step, attempt, lr, grad_norm, loss, data_time, exposed_comm(), len(faults.fired), skipped)
         watchdog.step_finished(row["step_time_s"])
         if not timeouts_tight:
-            timeouts_tight = _set_collective_timeout(layout, tight_timeout_s)
+            _set_collective_timeout(layout, tight_timeout_s)
+            timeouts_tight = True
         verdict = guard.observe(step, row["loss"], row["grad_norm"], skipped)
         incidents.step(row, fault_ranks, verdict.findings)
         if sample_comm:
@@ -236,7 +237,7 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int, process_s
             restored = checkpointer.load_latest(before_step=verdict.bad_from)
             _set_collective_timeout(layout, tight_timeout_s)
             if restored is None:
-                incidents.no_rollback_target(step, attempt, verdict.reason, verdict.bad_from)
+                incidents.no_rollback_target(step, attempt, verdict.reason, verdict.bad_from, checkpointer.corrupt)
             else:
                 # Skip the bad window: every batch read since the checkpoint, and a margin beyond.
                 since = restored.train_state["sampler"]["batch_index"]
@@ -298,17 +299,16 @@ def _last_recorded_time(run_dir: Path) -> float | None:
     return max(times) if times else None
 
 
-def _set_collective_timeout(layout: parallel.Layout, seconds: float) -> bool:
-    """Sets the timeout of the default process group and the mesh groups; False where it cannot."""
+def _set_collective_timeout(layout: parallel.Layout, seconds: float) -> None:
+    """Sets the timeout of the default process group and the mesh groups (a private torch API: if it
+    moves, the start-up timeout stays, which is safe, only less tight)."""
     if layout.mesh is None:
-        return True
+        return
     try:
         for group in [None] + [layout.group(d) for d in ("pp", "dp", "tp")]:
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
-        return True
-    except (AttributeError, RuntimeError) as e:  # a private API: if it moves, the start-up timeout stays
+    except (AttributeError, RuntimeError) as e:
         log.info("could not change process-group timeouts (%s)", e)
-        return True
 
 
 def _sum_over_ranks(value: float, device: torch.device, world: int) -> float:
