@@ -9,6 +9,9 @@ USAGE = """usage: keel COMMAND [ARGS]
 commands:
   train          train a model with pp x dp x tp processes (keel train --help)
   metrics        print a run's step metrics (keel metrics RUN_DIR [--csv])
+  drill          inject each fault into a short copy of a job and report the recovery (keel drill --help)
+  inject         ask a running job to inject a fault at its next step (keel inject RUN_DIR FAULT)
+  preflight      check ranks, links, checkpoint disk, memory and an overfit before a long job (keel preflight --help)
   prepare-data   make a uint16 token file from text files (keel prepare-data OUT.bin FILES...)
 """
 
@@ -24,6 +27,12 @@ def main(argv: list[str] | None = None) -> int:
         from keel.trainer.launch import main as run
     elif command == "metrics":
         from keel.monitor.metrics_cli import main as run
+    elif command == "drill":
+        from keel.chaos.drill import main as run
+    elif command == "inject":
+        from keel.chaos.inject import main as run
+    elif command == "preflight":
+        from keel.chaos.preflight import main as run
     elif command == "prepare-data":
         from keel.trainer.data import prepare_data_main as run
     else:

@@ -136,6 +136,11 @@ class WatchdogConfig:
 class ChaosConfig:
     # Fault plan, e.g. ["nan@step=40,rank=1"]; on the command line: --fault nan@step=40,rank=1 (repeatable).
     faults: list[str] = field(default_factory=list)
+    # Random faults: exponentially distributed gaps with this mean, in steps (0: none), each of a kind
+    # drawn from random_kinds on a random rank, the same draw for the same seed.
+    mtbf_steps: float = 0.0
+    random_kinds: list[str] = field(default_factory=lambda: ["nan", "crash", "hang", "oom"])
+    random_seed: int = 0
 
 
 @dataclass
@@ -273,7 +278,7 @@ def _divisors(n: int) -> list[int]:
 
 def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     """Raises ConfigError for the first problem found. Needs no process group and no data."""
-    from keel.chaos.faults import parse_fault
+    from keel.chaos.faults import KINDS, parse_fault
     from keel.trainer.data import parse_skip_ranges
     from keel.trainer.model import MODEL_PRESETS, model_args
 
@@ -349,6 +354,10 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             parse_fault(spec)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    _at_least("chaos.mtbf_steps", cfg.chaos.mtbf_steps, 0, "0 turns random faults off")
+    for kind in cfg.chaos.random_kinds:
+        if kind not in KINDS:
+            raise ConfigError(f"chaos.random_kinds: unknown fault '{kind}'; choose from {list(KINDS)}")
     if cfg.metrics.comm_sample_every < 1 or cfg.metrics.log_every < 1:
         raise ConfigError("metrics.comm_sample_every and metrics.log_every must be at least 1")
     _validate_stability(cfg)

@@ -15,6 +15,7 @@ import hashlib
 import os
 import sys
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,10 +151,15 @@ def prepare_data_main(argv: list[str]) -> int:
 
 
 class BatchSampler:
-    """Random fixed-length windows of `tokens`. Each dp rank reads its own rows of the global batch."""
+    """Random fixed-length windows of `tokens`. Each dp rank reads its own rows of the global batch.
+
+    A batch with a token id outside the vocabulary (a damaged file, a wrong tokenizer) is never
+    trained on: it is passed over and its index kept in `rejected`. Every rank checks the whole
+    global batch, so all ranks pass over the same batches without talking to each other."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, dp_rank: int, dp_size: int, seed: int,
-                 skip_ranges: list[tuple[int, int]] = ()):
+                 skip_ranges: list[tuple[int, int]] = (), vocab_size: int | None = None,
+                 transform: Callable[[int, np.ndarray, int], np.ndarray] | None = None):
         if global_batch_size % dp_size:
             raise ValueError(f"global_batch_size={global_batch_size} is not divisible by dp_size={dp_size}")
         if not 0 <= dp_rank < dp_size:
@@ -170,23 +176,31 @@ class BatchSampler:
         # Batches [first, end) never read: reaching `first` jumps to `end`. This is how a run reproduces
         # another run's rollback, which skipped the same window.
         self.skip_ranges = dict(skip_ranges)
+        self.vocab_size = vocab_size
+        self.transform = transform  # (batch_index, window, vocab_size) -> window: the chaos hook on data
+        self.rejected: list[int] = []  # batches passed over since the caller last emptied this list
         self._window = np.arange(seq_len + 1)
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
         """(inputs, targets), int64 [global_batch_size // dp_size, seq_len]; targets are inputs shifted by one."""
-        while self.batch_index in self.skip_ranges:
-            self.batch_index = self.skip_ranges[self.batch_index]
-        # Every rank draws the whole global batch and keeps its own rows, so the union over dp ranks
-        # is exactly the single-process batch whatever dp_size is.
-        rng = np.random.default_rng([self.seed, self.batch_index])
-        offsets = rng.integers(0, len(self.tokens) - self.seq_len, size=self.global_batch_size)
+        while True:
+            while self.batch_index in self.skip_ranges:
+                self.batch_index = self.skip_ranges[self.batch_index]
+            # Every rank draws the whole global batch and keeps its own rows, so the union over dp ranks
+            # is exactly the single-process batch whatever dp_size is.
+            rng = np.random.default_rng([self.seed, self.batch_index])
+            offsets = rng.integers(0, len(self.tokens) - self.seq_len, size=self.global_batch_size)
+            # Plain numpy: the launcher validates data without paying for importing torch.
+            window = np.asarray(self.tokens[offsets[:, None] + self._window]).astype(np.int64)
+            if self.transform is not None:
+                window = self.transform(self.batch_index, window, self.vocab_size)
+            self.batch_index += 1
+            if self.vocab_size is None or int(window.max()) < self.vocab_size:
+                break
+            self.rejected.append(self.batch_index - 1)
         lo = self.dp_rank * self.local_batch_size
-        offsets = offsets[lo : lo + self.local_batch_size]
-        rows = np.asarray(self.tokens[offsets[:, None] + self._window])
-        self.batch_index += 1
-        # Plain numpy: the launcher validates data without paying for importing torch.
-        tokens = rows.astype(np.int64)
-        return tokens[:, :-1], tokens[:, 1:]
+        rows = window[lo : lo + self.local_batch_size]
+        return rows[:, :-1], rows[:, 1:]
 
     def skip(self, n_batches: int) -> None:
         """Moves past `n_batches` batches without reading them (used to step over bad data)."""

@@ -96,6 +96,11 @@ class Incidents:
                    f"(allowed {info['timeout_s']:.0f} s); stacks in {info['dump']}; restarting")
         self._note("hang", message, "critical", step=info["step"], attempt=info["attempt"], data=info, alert="hang")
 
+    def bad_batches(self, step: int, attempt: int, batches: list[int], vocab_size: int) -> None:
+        message = f"batches {batches} passed over at step {step}: token ids outside the vocabulary (< {vocab_size})"
+        self._note("bad_batch", message, "critical", step=step, attempt=attempt,
+                   data={"batches": batches, "vocab_size": vocab_size}, alert="bad_batch")
+
     def oom(self, step: int, attempt: int, rank: int, old: int, new: int, how: str) -> None:
         self._note("oom", f"out of memory on rank {rank} at step {step}: micro-batches {old} -> {new} ({how})", "critical",
                    step=step, attempt=attempt, rank=rank, data={"microbatches": new, "previous": old, "how": how}, alert="oom")

@@ -4,6 +4,7 @@ torchrun directly (`torchrun --nproc-per-node 8 -m keel.trainer.train --config s
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import math
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from keel.chaos.faults import FaultPlan
+from keel.chaos.faults import FaultPlan, parse_fault, random_faults
 from keel.monitor.goodput import goodput_of_run
 from keel.monitor.redact import redact
 from keel.monitor.store import STORE_FILE, read_events, read_steps
@@ -34,7 +35,7 @@ from keel.trainer.optim import build_optimizer, clip_grads, lr_at, set_lr
 from keel.trainer.progress import ProgressLine
 from keel.trainer.recovery import StabilityGuard
 from keel.trainer.step_metrics import StepReporter
-from keel.trainer.watchdog import Watchdog
+from keel.trainer.watchdog import Watchdog, stalled_dumps
 
 log = logging.getLogger("keel.train")
 
@@ -103,7 +104,7 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int, process_s
     layout = parallel.build_layout(cfg, device)
     args = model_args(cfg)
     parts = parallel.build_model_parts(cfg, args, layout, device, bf16)
-    faults = FaultPlan(cfg.chaos.faults, rank, run_dir)
+    faults = FaultPlan(fault_plan(cfg, world), rank, run_dir)
 
     def step_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return faults.corrupt_loss(parallel.loss_fn(logits, targets))  # the chaos hook point on the loss
@@ -116,7 +117,7 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int, process_s
     log.info("model built: %d stage(s) on this rank", len(parts))
     source = open_tokens(cfg.data.source, cfg.data.seq_len)
     sampler = BatchSampler(source.tokens, cfg.data.seq_len, cfg.training.global_batch_size, layout.dp_rank, layout.dp, cfg.training.seed,
-                           parse_skip_ranges(cfg.data.skip_batches))
+                           parse_skip_ranges(cfg.data.skip_batches), args.vocab_size, faults.corrupt_batch)
     flop_per_token = flops_per_token(args, cfg.data.seq_len)
 
     # MFU's denominator: every rank measures (or looks up) its own peak at the same moment; the sum
@@ -159,6 +160,8 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int, process_s
             incidents.loaded(restored, attempt)
         else:
             incidents.no_checkpoint(attempt, checkpointer.corrupt)
+        if restart_count and rank == 0:
+            _report_stalls(run_dir, incidents)
         if restart_count:
             incidents.restart(attempt, restart_count, process_start - last_recorded if last_recorded else 0.0, step)
 
@@ -184,20 +187,25 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int, process_s
         t0 = time.perf_counter()
         batch_index = sampler.batch_index
         inputs, targets = sampler.next_batch()
-        inputs, targets = faults.poison_batch(sampler.batch_index - 1, inputs, targets)  # the chaos hook point on data
+        if sampler.rejected:
+            incidents.bad_batches(step, attempt, sampler.rejected, args.vocab_size)
+            sampler.rejected = []
         inputs, targets = torch.from_numpy(inputs).to(device, non_blocking=True), torch.from_numpy(targets).to(device, non_blocking=True)
         data_time = time.perf_counter() - t0
-        lr = lr_at(step, cfg.optim, cfg.training.steps) * guard.lr_scale(step)
+        lr = lr_at(step, cfg.optim, cfg.training.steps) * guard.lr_scale(step) * faults.lr_scale()
         set_lr(optimizer, lr)
 
         sample_comm = world > 1 and (step - 2) % cfg.metrics.comm_sample_every == 0
         try:
             with comm.sampled_step(sample_comm, device.type == "cuda") as exposed_comm:
-                faults.at_step_start()  # the chaos hook point on the process: crash, hang, oom
+                faults.at_step_start(parts)  # chaos hook points: the process, the parameters, the checkpoints
                 loss = forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast, step_loss)
+                faults.corrupt_grads(parts)
                 if cfg.parallel.dp > 1 and cfg.parallel.dp_mode == "replicate":
+                    faults.before_collective()
                     parallel.all_reduce_replicated_grads(parts, layout)
                 loss_finite = loss is None or bool(torch.isfinite(loss))
+                faults.before_collective()
                 grad_norm = parallel.global_grad_norm(parts, layout, loss_finite).item()
                 skipped = not math.isfinite(grad_norm)  # the same verdict on every rank
                 if skipped:
@@ -217,6 +225,7 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int, process_s
             reporter.restart_clock()
             continue
         faults.end_step()
+        faults.before_collective()
         row, fault_ranks = reporter.report(step, attempt, lr, grad_norm, loss, data_time, exposed_comm(), len(faults.fired), skipped)
         watchdog.step_finished(row["step_time_s"])
         if not timeouts_tight:
@@ -276,6 +285,26 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int, process_s
         dist.barrier()
         dist.destroy_process_group()
     return exit_code
+
+
+def fault_plan(cfg: JobConfig, world: int) -> list:
+    """The run's faults: the listed ones, and the random ones when chaos.mtbf_steps is set."""
+    plan = [parse_fault(spec) for spec in cfg.chaos.faults]
+    if cfg.chaos.mtbf_steps > 0:
+        plan += random_faults(cfg.chaos.mtbf_steps, cfg.chaos.random_kinds, cfg.training.steps, world, cfg.chaos.random_seed)
+        log.info("random faults (mean %g steps apart): %s", cfg.chaos.mtbf_steps, ", ".join(map(str, plan)))
+    return plan
+
+
+def _report_stalls(run_dir: Path, incidents: Incidents) -> None:
+    """Reports the processes that faulthandler ended because their GIL was held, unless the attempt
+    already reported its hang (the other ranks' watchdogs see the same stall from inside a collective)."""
+    events = read_events(run_dir) if (run_dir / STORE_FILE).exists() else None
+    reported = set() if events is None else set(events.loc[events.kind == "hang", "attempt"].dropna().astype(int))
+    for info in stalled_dumps(run_dir):
+        if info["attempt"] not in reported:
+            incidents.hang(info)
+            reported.add(info["attempt"])
 
 
 def _next_attempt(run_dir: Path, rank: int, world: int) -> int:
@@ -344,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
             print(f"keel train: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    faulthandler.enable()  # a segfault leaves the Python stacks in the worker's stderr
     device, rank, world = init_distributed(cfg.watchdog.startup_s)
     if not cfg.run.run_dir:
         # Started by torchrun or srun directly: rank 0 names the run, everyone uses that name.

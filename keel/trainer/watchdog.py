@@ -6,11 +6,18 @@ the step and phase to RUN_DIR/dumps/, reports it, and ends the process with EXIT
 restarts the group and the run resumes from its last good checkpoint. A hang in a collective stops
 every rank, so every rank's watchdog fires and every rank leaves a dump; the stuck rank is the one
 whose stack is not inside a collective.
+
+The watchdog thread needs the GIL. A rank whose GIL is held (a deadlock in an extension, a C call
+that never releases it) stops that thread too, so each beat also arms faulthandler's timer, which
+runs without the GIL: a little after the allowance it appends every stack to
+dumps/stall-rank<R>-pid<P>.txt and ends the process. The next attempt reports that file as a hang
+(`stalled_dumps`).
 """
 
 from __future__ import annotations
 
 import faulthandler
+import json
 import logging
 import os
 import threading
@@ -22,6 +29,8 @@ from keel.trainer.config import WatchdogConfig
 from keel.trainer.exits import EXIT_HANG
 
 log = logging.getLogger("keel.watchdog")
+
+_STALL_HEADER = 200  # characters of the JSON line that starts a stall dump
 
 # Phases that may legitimately take long, and which allowance covers them.
 _LONG_PHASES = {"startup": "startup_s", "checkpoint_save": "checkpoint_s", "checkpoint_load": "checkpoint_s"}
@@ -36,13 +45,32 @@ class Watchdog:
         self.steps_timed, self.longest_step_s = 0, 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="keel-watchdog", daemon=True)
+        self._stall = None
         if cfg.enabled:
+            self.dumps.mkdir(parents=True, exist_ok=True)
+            for old in self.dumps.glob(f"stall-rank{rank}-pid*.txt"):  # left empty by a killed process
+                if old.stat().st_size <= _STALL_HEADER + 1:
+                    old.unlink(missing_ok=True)
+            self._stall = open(self.dumps / f"stall-rank{rank}-pid{os.getpid()}.txt", "w")
             self._thread.start()
 
     def beat(self, phase: str, step: int, attempt: int | None = None) -> None:
         self.phase, self.step, self.last_beat = phase, step, time.monotonic()
         if attempt is not None:
             self.attempt = attempt
+        if self._stall is not None:
+            self._arm_stall_timer()
+
+    def _arm_stall_timer(self) -> None:
+        """The GIL-free backstop fires two polls after this thread would have: later than the watchdog
+        thread when that one can run, so it only acts when the GIL is held."""
+        allowed = self.timeout_s() + 2 * self.cfg.poll_s
+        info = {"rank": self.rank, "step": self.step, "attempt": self.attempt, "phase": self.phase,
+                "stalled_s": round(allowed, 3), "timeout_s": round(allowed, 3)}
+        self._stall.seek(0)
+        self._stall.write(json.dumps(info).ljust(_STALL_HEADER) + "\n")  # faulthandler appends the stacks after it
+        self._stall.flush()
+        faulthandler.dump_traceback_later(allowed, exit=True, file=self._stall)
 
     def step_finished(self, step_time_s: float) -> None:
         """Feeds the step-time allowance; the first warmup_steps steps do not count (they compile and allocate)."""
@@ -59,6 +87,11 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._stall is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._stall.close()
+            Path(self._stall.name).unlink(missing_ok=True)
+            self._stall = None
 
     def _watch(self) -> None:
         while not self._stop.wait(self.cfg.poll_s):
@@ -68,6 +101,7 @@ class Watchdog:
                 self._fire(stalled, timeout)
 
     def _fire(self, stalled: float, timeout: float) -> None:
+        faulthandler.cancel_dump_traceback_later()  # this thread runs: the exit below is the one that counts
         info = {"rank": self.rank, "step": self.step, "attempt": self.attempt, "phase": self.phase,
                 "stalled_s": round(stalled, 3), "timeout_s": round(timeout, 3)}
         self.dumps.mkdir(parents=True, exist_ok=True)
@@ -90,3 +124,18 @@ class Watchdog:
         finally:
             logging.shutdown()
             os._exit(EXIT_HANG)  # the training thread is stuck: a normal exit would wait for it forever
+
+
+def stalled_dumps(run_dir: str | Path) -> list[dict]:
+    """The stall dumps that faulthandler wrote for processes whose GIL was held, as hang reports (the
+    `info` of a hang), each renamed to hang-attempt<A>-step<S>-rank<R>-gil.txt so it is reported once."""
+    found = []
+    for path in sorted((Path(run_dir) / "dumps").glob("stall-rank*-pid*.txt")):
+        text = path.read_text(errors="replace")
+        if len(text) <= _STALL_HEADER + 1:
+            continue  # armed, never fired: a process that is running, or one that was killed
+        info = json.loads(text[:_STALL_HEADER])
+        target = path.with_name(f"hang-attempt{info['attempt']}-step{info['step']}-rank{info['rank']}-gil.txt")
+        path.rename(target)
+        found.append({**info, "dump": str(target), "detected_at": target.stat().st_mtime, "by": "faulthandler (GIL held)"})
+    return found

@@ -1,0 +1,281 @@
+"""`keel drill`: prove that a job recovers from the faults that will happen, before it runs for weeks.
+
+At the job's own parallel layout and model, for a short length, the drill runs a fault-free reference
+and then one run per fault, each a plain `keel train` process (the drill never imports the train
+loop). Each run is judged from its run store (keel.chaos.verdict) and the results go to
+RUN_DIR/drills/<id>/report.md, report.json and plot.png (keel.chaos.report). The exit code is 1 when
+any drill fails, so a job script can gate on it.
+
+The drill changes only what makes it short and quick to judge: the number of steps, a checkpoint
+every few steps, a watchdog floor of seconds, frequent communication sampling, and no exporters or
+alert channels (a drill must not page anyone). Everything else is the job's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from keel.chaos.faults import KINDS, parse_fault
+from keel.chaos.verdict import DrillResult, Expectation, judge, skipped_batches
+from keel.monitor.store import read_events, read_steps
+from keel.trainer.config import ConfigError, JobConfig
+from keel.trainer.launch import parse_train_args, resolve_run_dir
+
+
+@dataclass(frozen=True)
+class Drill:
+    name: str
+    faults: tuple[str, ...]  # templates: {S} fault step, {R} faulty rank, {K} recovery.nonfinite_limit, {MS} a delay
+    expect: Expectation
+    min_stage_ranks: int = 1  # ranks per pipeline stage needed to tell a slow rank from its peers
+
+    @property
+    def train_args(self) -> list[str]:
+        # A slow rank is scored on the steps whose communication is measured: measure every other one.
+        return ["--metrics.comm_sample_every=2"] if self.min_stage_ranks > 1 else []
+
+
+_ROLLBACK = Expectation(detect=("nonfinite",), recover=("rollback",), compare="skip")
+_RESTART = Expectation(detect=("restart",), recover=("restart",))
+_SLOW = Expectation(detect=("straggler",))
+DRILLS = {d.name: d for d in [
+    Drill("nan", ("nan@step={S},rank={R},steps={K}",), _ROLLBACK),
+    Drill("inf_grad", ("inf@step={S},rank={R},steps={K},into=grad",), _ROLLBACK),
+    Drill("nan_param", ("nan@step={S},rank={R},into=param",), _ROLLBACK),
+    Drill("spike", ("spike@step={S},steps=5",), Expectation(detect=("spike",), recover=("rollback",), compare="skip")),
+    Drill("lr_surge", ("spike@step={S},steps=3,lr=100,data=0",), Expectation(detect=("spike",), recover=("rollback",), compare="skip")),
+    Drill("data_corrupt", ("data_corrupt@step={S}",), Expectation(detect=("bad_batch",), compare="skip")),
+    Drill("oom", ("oom@step={S},rank={R}",), Expectation(detect=("oom",), rtol=1e-5)),
+    Drill("hang", ("hang@step={S},rank={R}",), Expectation(detect=("hang",), recover=("restart",))),
+    Drill("deadlock", ("deadlock@step={S},rank={R}",), Expectation(detect=("hang",), recover=("restart",))),
+    Drill("crash", ("crash@step={S},rank={R}",), _RESTART),
+    Drill("segfault", ("segfault@step={S},rank={R}",), _RESTART),
+    # A corrupt checkpoint only matters when it is read: the crash right after it makes the restart read it.
+    Drill("ckpt_corrupt", ("ckpt_corrupt@step={S}", "crash@step={S},rank={R}"),
+          Expectation(detect=("checkpoint_corrupt",), recover=("restart",))),
+    Drill("straggler", ("straggler@step={S},rank={R},steps=1000,ms={MS}",), _SLOW, min_stage_ranks=2),
+    Drill("slow_comm", ("slow_comm@step={S},rank={R},steps=1000,ms={MS}",), _SLOW, min_stage_ranks=2),
+]}
+SUITES = {
+    "standard": ["nan", "spike", "oom", "hang", "crash", "ckpt_corrupt", "straggler", "slow_comm"],
+    "full": list(DRILLS),
+}
+# What a fault given as a spec (--faults "hang@step=30,rank=1") must cause: the same as its drill.
+_BY_KIND = {"nan": "nan", "inf": "nan", "spike": "spike", "data_corrupt": "data_corrupt", "oom": "oom", "hang": "hang",
+            "deadlock": "deadlock", "crash": "crash", "segfault": "segfault", "straggler": "straggler",
+            "slow_comm": "slow_comm", "ckpt_corrupt": "ckpt_corrupt"}
+assert set(_BY_KIND) == set(KINDS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="keel drill",
+        description="Run a short copy of a job once without faults and once per fault; report detection, recovery and loss. "
+                    "Every other flag and --section.key=value is the job's, as for `keel train`.",
+        epilog="Example: keel drill --config job.toml --pp 2 --dp 2 --tp 2 --suite standard",
+    )
+    p.add_argument("--suite", choices=sorted(SUITES), default="standard", help="which drills (default: standard)")
+    p.add_argument("--faults", help=f"instead of a suite: drill names and/or fault specs separated by ';' "
+                   f"(e.g. 'hang;nan@step=30,rank=1'), or a TOML file with faults = [...]. Drills: {', '.join(DRILLS)}")
+    p.add_argument("--drill-steps", type=int, help="length of each run (default: spike.warmup_steps + 30)")
+    p.add_argument("--fault-step", type=int, help="the step the faults hit (default: spike.warmup_steps + 10)")
+    p.add_argument("--fault-rank", type=int, help="the rank the faults hit (default: the last rank)")
+    p.add_argument("--checkpoint-every", type=int, default=5, help="checkpoint interval of the drill runs, in steps (default 5)")
+    p.add_argument("--watchdog-floor", type=float, default=5.0, help="watchdog.floor_s of the drill runs (default 5 s)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take before it counts as failed (default 900)")
+    return p
+
+
+@dataclass
+class DrillSetup:
+    cfg: JobConfig
+    job_argv: list[str]
+    steps: int
+    fault_step: int
+    fault_rank: int
+    checkpoint_every: int
+    watchdog_floor: float
+    timeout: float
+    folder: Path
+
+
+def parse_drill_args(argv: list[str]) -> tuple[DrillSetup, list[Drill]]:
+    """The drill's setup and drills. Raises ConfigError (one line) on bad input."""
+    opts, job_argv = build_parser().parse_known_args(argv)
+    cfg, _ = parse_train_args(job_argv)
+    steps = opts.drill_steps or cfg.spike.warmup_steps + 30
+    fault_step = opts.fault_step or cfg.spike.warmup_steps + 10
+    fault_rank = cfg.world_size - 1 if opts.fault_rank is None else opts.fault_rank
+    if not 1 <= fault_step < steps:
+        raise ConfigError(f"--fault-step={fault_step}: must be in 1..{steps - 1} (--drill-steps={steps})")
+    if not 0 <= fault_rank < cfg.world_size:
+        raise ConfigError(f"--fault-rank={fault_rank}: the job has ranks 0..{cfg.world_size - 1}")
+    if opts.checkpoint_every < 1 or opts.checkpoint_every >= fault_step:
+        raise ConfigError(f"--checkpoint-every={opts.checkpoint_every}: must be at least 1 and below the fault step {fault_step}, "
+                          "so that a checkpoint exists to recover from")
+    resolve_run_dir(cfg)
+    folder = Path(cfg.run.run_dir) / "drills" / ("drill-" + time.strftime("%Y%m%d-%H%M%S"))
+    setup = DrillSetup(cfg, job_argv, steps, fault_step, fault_rank, opts.checkpoint_every, opts.watchdog_floor, opts.timeout, folder)
+    return setup, select_drills(opts.suite, opts.faults, cfg.recovery.nonfinite_limit)
+
+
+def select_drills(suite: str, faults: str | None, nonfinite_limit: int) -> list[Drill]:
+    if faults is None:
+        return [DRILLS[name] for name in SUITES[suite]]
+    if faults.endswith(".toml"):
+        try:
+            items = tomllib.loads(Path(faults).read_text())["faults"]
+        except (OSError, tomllib.TOMLDecodeError, KeyError) as e:
+            raise ConfigError(f"--faults {faults}: cannot read a TOML list 'faults = [...]' from it ({e})") from None
+    else:
+        items = [x.strip() for x in faults.split(";") if x.strip()]
+    drills = []
+    for item in items:
+        if "@" in item:
+            try:
+                fault = parse_fault(item)
+            except ValueError as e:
+                raise ConfigError(f"--faults: {e}") from None
+            base = DRILLS[_BY_KIND[fault.kind]]
+            expect = base.expect
+            if fault.kind in ("nan", "inf") and fault.into != "param" and fault.steps < nonfinite_limit:
+                # Too few to roll back: the guard skips the steps, which changes the trajectory by design.
+                expect = Expectation(detect=("nonfinite",), compare="none")
+            drills.append(Drill(str(fault), (str(fault),), expect, base.min_stage_ranks))
+        elif item in DRILLS:
+            drills.append(DRILLS[item])
+        else:
+            raise ConfigError(f"--faults: unknown drill '{item}'; choose from {list(DRILLS)} or give a spec KIND@step=S[,rank=R]")
+    if not drills:
+        raise ConfigError("--faults: no drill given")
+    return drills
+
+
+class Progress:
+    """A progress bar on the terminal (one line per run when the output is not a terminal)."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.tty = total, 0, sys.stderr.isatty()
+
+    def show(self, label: str, elapsed: float, final: str = "") -> None:
+        width = 24
+        filled = width * self.done // self.total
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label} {elapsed:5.0f} s {final}"
+        if self.tty:
+            print("\r" + line.ljust(100), end="" if not final else "\n", file=sys.stderr, flush=True)
+        elif final:
+            print(line, file=sys.stderr, flush=True)
+
+    def run(self, label: str, cmd: list[str], log_path: Path, timeout: float) -> int:
+        start = time.monotonic()
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        with open(log_path, "w") as log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True) as proc:
+            while proc.poll() is None:
+                if time.monotonic() - start > timeout:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the run's whole process tree: torchrun and its workers
+                    proc.wait()
+                    break
+                self.show(label, time.monotonic() - start)
+                time.sleep(0.5)
+        code = proc.returncode if time.monotonic() - start <= timeout else 124
+        self.done += 1
+        self.show(label, time.monotonic() - start, "ok" if code == 0 else f"exit {code}")
+        return code
+
+
+class DrillRunner:
+    def __init__(self, setup: DrillSetup, n_runs: int):
+        self.setup, self.progress = setup, Progress(n_runs)
+        (setup.folder / "runs").mkdir(parents=True, exist_ok=True)
+
+    def train(self, name: str, extra: list[str]) -> tuple[Path, int]:
+        s = self.setup
+        run_dir = s.folder / "runs" / name
+        cmd = [sys.executable, "-m", "keel.cli", "train", *s.job_argv, "--run-dir", str(run_dir), "--steps", str(s.steps),
+               f"--checkpoint.interval_steps={s.checkpoint_every}", f"--watchdog.floor_s={s.watchdog_floor}",
+               "--monitor.prometheus=false", "--monitor.wandb=false",
+               "--monitor.webhook_url=", "--chaos.faults=", "--chaos.mtbf_steps=0", *extra]
+        code = self.progress.run(name, cmd, s.folder / "runs" / f"{name}.log", s.timeout)
+        return run_dir, code
+
+
+def expand(drill: Drill, setup: DrillSetup, step_time_s: float) -> list[str]:
+    values = {"S": setup.fault_step, "R": setup.fault_rank, "K": setup.cfg.recovery.nonfinite_limit,
+              "MS": max(50, round(2000 * step_time_s))}  # twice a step: a slowdown the straggler score must see
+    return [t.format(**values) for t in drill.faults]
+
+
+def applicable(drill: Drill, cfg: JobConfig) -> str | None:
+    """Why a drill cannot run at this layout, or None."""
+    stage_ranks = cfg.parallel.dp * cfg.parallel.tp
+    if stage_ranks < drill.min_stage_ranks:
+        return (f"needs {drill.min_stage_ranks} ranks per pipeline stage to compare a slow rank with its peers; "
+                f"this layout has {stage_ranks} (dp*tp)")
+    return None
+
+
+def run_drills(setup: DrillSetup, drills: list[Drill]) -> list[DrillResult]:
+    runner = DrillRunner(setup, len(drills) + 1)
+    reference, code = runner.train("reference", [])
+    if code != 0:
+        raise RuntimeError(f"the fault-free reference run failed (exit {code}); see {setup.folder / 'runs' / 'reference.log'}")
+    ref_steps = read_steps(reference, effective=True)
+    step_time = float(ref_steps.step_time_s.iloc[len(ref_steps) // 2:].median())
+    skip_refs: dict[tuple, Path] = {}
+    hint = "" if setup.cfg.recovery.rollback else " (recovery.rollback is false in this job)"
+    results = []
+    for drill in drills:
+        why_not = applicable(drill, setup.cfg)
+        specs = expand(drill, setup, step_time)
+        if why_not:
+            results.append(DrillResult(drill.name, specs, "n/a", [why_not], fault_step=setup.fault_step))
+            runner.progress.done += 1
+            continue
+        run_dir, code = runner.train(drill.name, drill.train_args + [f"--fault={s}" for s in specs])
+        compare_with = reference
+        if drill.expect.compare == "skip" and (run_dir / "run.sqlite").exists():
+            skips = tuple(skipped_batches(read_events(run_dir)))
+            if skips and skips not in skip_refs:
+                runner.progress.total += 1
+                ranges = ";".join(f"{a}:{b}" for a, b in skips)
+                skip_refs[skips], ref_code = runner.train(f"reference-skip-{len(skip_refs) + 1}", [f"--data.skip_batches={ranges}"])
+                if ref_code != 0:
+                    skip_refs[skips] = None
+            compare_with = skip_refs.get(skips, reference) if skips else reference
+        first = parse_fault(specs[0])
+        results.append(judge(drill.name, specs, drill.expect, run_dir, code, compare_with, first.step, first.rank, hint))
+    return results
+
+
+def main(argv: list[str]) -> int:
+    from keel.chaos.report import write_report
+
+    try:
+        setup, drills = parse_drill_args(argv)
+    except ConfigError as e:
+        print(f"keel drill: error: {e}", file=sys.stderr)
+        return 2
+    cfg = setup.cfg
+    print(f"keel drill: {len(drills)} drills at pp{cfg.parallel.pp} dp{cfg.parallel.dp} tp{cfg.parallel.tp}, "
+          f"{setup.steps} steps each, faults at step {setup.fault_step} on rank {setup.fault_rank}; in {setup.folder}", flush=True)
+    try:
+        results = run_drills(setup, drills)
+    except RuntimeError as e:
+        print(f"keel drill: error: {e}", file=sys.stderr)
+        return 1
+    paths = write_report(setup, results)
+    print(paths["table"], flush=True)
+    print(f"report: {paths['md']}  (also {paths['json'].name}, {paths['png'].name})", flush=True)
+    return 0 if all(r.status != "fail" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

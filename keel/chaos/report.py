@@ -1,0 +1,138 @@
+"""The drill report: report.md for people, report.json for scripts, plot.png to see each recovery.
+
+The plot has one panel per drill: the reference loss in grey, every step the run computed (the
+abandoned attempts as red crosses), the trajectory the run kept in blue, and vertical lines where the
+fault hit (red), where it was detected (orange) and where the run was back on track (green).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+from keel.chaos.verdict import DrillResult  # noqa: E402
+from keel.monitor.store import read_steps  # noqa: E402
+
+_COLUMNS = ("drill", "result", "detected", "recovered", "steps lost", "goodput", "loss vs reference")
+
+
+def _row(r: DrillResult) -> tuple[str, ...]:
+    if r.status == "n/a":
+        return (r.name, "n/a", "-", "-", "-", "-", r.reasons[0])
+    detected = (f"{r.detected_by} at step {r.detection_step} (+{r.detection_latency_steps} steps, {r.detection_latency_s:.1f} s)"
+                if r.detected else "no")
+    recovered = f"step {r.recovered_step} ({r.time_to_recover_s:.1f} s after the fault)" if r.recovered else "no"
+    if r.loss_max_rel_diff is None:
+        loss = r.loss_compared_with or "-"
+    elif math.isinf(r.loss_max_rel_diff):
+        loss = "differs"
+    else:
+        same = "identical" if r.loss_max_rel_diff == 0 else f"max rel. diff {r.loss_max_rel_diff:.1e}"
+        loss = f"{same} ({r.loss_compared_with})"
+    goodput = f"{r.goodput:.0%}" if r.goodput is not None else "-"
+    return (r.name, r.status.upper(), detected, recovered, str(r.steps_lost), goodput, loss)
+
+
+def table(results: list[DrillResult]) -> str:
+    lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    lines += ["| " + " | ".join(_row(r)) + " |" for r in results]
+    return "\n".join(lines)
+
+
+def write_report(setup, results: list[DrillResult]) -> dict:
+    """Writes report.md, report.json and plot.png into setup.folder; returns their paths and the table."""
+    folder, cfg = setup.folder, setup.cfg
+    passed = sum(r.status == "pass" for r in results)
+    failed = [r for r in results if r.status == "fail"]
+    layout = f"pp{cfg.parallel.pp} dp{cfg.parallel.dp} tp{cfg.parallel.tp}"
+    summary = (f"{passed} passed, {len(failed)} failed, {sum(r.status == 'n/a' for r in results)} not applicable "
+               f"at {layout}")
+    md = [f"# Keel drill {folder.name}", "",
+          f"Job: model {cfg.model.preset}, {layout} ({cfg.world_size} processes), {setup.steps} steps per run, "
+          f"a checkpoint every {setup.checkpoint_every} steps; faults at step {setup.fault_step} on rank {setup.fault_rank}. "
+          f"Reference: `runs/reference`, the same job without faults.", "",
+          f"**{'PASS' if not failed else 'FAIL'}**: {summary}.", "", table(results), ""]
+    if failed:
+        md += ["## Why drills failed", ""] + [f"- **{r.name}**: {'; '.join(r.reasons)}" for r in failed] + [""]
+    md += ["## Faults injected", ""] + [f"- **{r.name}**: `{'`, `'.join(r.faults)}`"
+                                        + (f"; skipped batches {r.batches_skipped}" if r.batches_skipped else "") for r in results]
+    md += ["", "Detected: the first event that reports the fault, and its delay after the fault fired. Recovered: the first "
+           "step of the kept trajectory after the recovery. Steps lost: steps computed and thrown away (rolled back or "
+           "lost to a restart) plus steps skipped without an update. Loss: the kept trajectory against the reference, "
+           "or against a reference that skipped the same batches when the recovery skipped data.", "", "![loss per drill](plot.png)", ""]
+    paths = {"md": folder / "report.md", "json": folder / "report.json", "png": folder / "plot.png"}
+    paths["md"].write_text("\n".join(md))
+    doc = {"drill_id": folder.name, "passed": not failed, "summary": summary, "layout": {"pp": cfg.parallel.pp, "dp": cfg.parallel.dp, "tp": cfg.parallel.tp},
+           "steps": setup.steps, "fault_step": setup.fault_step, "fault_rank": setup.fault_rank,
+           "results": [_finite(r.to_dict()) for r in results]}
+    paths["json"].write_text(json.dumps(doc, indent=2) + "\n")
+    plot(results, folder / "runs" / "reference", paths["png"])
+    return {**paths, "summary": summary, "table": f"{table(results)}\n\n{'PASS' if not failed else 'FAIL'}: {summary}"}
+
+
+def _finite(d: dict) -> dict:
+    """JSON has no Infinity: an unmeasurable difference is written as null."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+
+
+def plot(results: list[DrillResult], reference_dir: Path, out: Path) -> None:
+    shown = [r for r in results if r.status != "n/a" and r.run_dir and (Path(r.run_dir) / "run.sqlite").exists()]
+    cols = min(3, max(1, len(shown)))
+    rows = max(1, math.ceil(len(shown) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.4 * rows), squeeze=False)
+    reference = read_steps(reference_dir, effective=True) if (reference_dir / "run.sqlite").exists() else None
+    for ax in axes.flat[len(shown):]:
+        ax.axis("off")
+    for ax, r in zip(axes.flat, shown):
+        run_dir = Path(r.run_dir)
+        every, kept = read_steps(run_dir), read_steps(run_dir, effective=True)
+        compared = run_dir.parent / str(r.loss_compared_with)
+        if r.loss_compared_with and r.loss_compared_with != "reference" and (compared / "run.sqlite").exists():
+            base, base_label = read_steps(compared, effective=True), "reference that skipped the same batches"
+        else:
+            base, base_label = reference, "reference (no fault)"
+        if base is not None:
+            ax.plot(base.step, base.loss, color="0.6", lw=3, label=base_label)
+        dropped = every.merge(kept[["step", "attempt"]], on=["step", "attempt"], how="left", indicator=True)
+        dropped = dropped[dropped["_merge"] == "left_only"]
+        ax.plot(kept.step, kept.loss, color="tab:blue", lw=1.2, label="the run: kept trajectory")
+        ax.scatter(dropped.step, dropped.loss.clip(upper=_ceiling(every, reference)), marker="x", color="tab:red", s=22,
+                   zorder=3, label="the run: steps thrown away")
+        if r.fault_step is not None:
+            ax.axvline(r.fault_step, color="tab:red", lw=1.5, label=f"fault (step {r.fault_step})")
+        if r.detected and r.detection_step is not None:
+            ax.axvline(r.detection_step + 0.3, color="tab:orange", lw=1.5, ls="--",
+                       label=f"detected: {r.detected_by} (+{r.detection_latency_s:.1f} s)")
+        if r.recovered and r.recovered_step <= max(r.fault_step, r.detection_step or 0):
+            # The recovery went back in steps (a rollback or a restart from a checkpoint): shade what ran again.
+            end = max(r.fault_step, r.detection_step or 0, int(dropped.step.max()) if len(dropped) else 0)
+            ax.axvspan(r.recovered_step - 0.5, end + 0.5, color="tab:green", alpha=0.15,
+                       label=f"recovered: steps {r.recovered_step}-{end} ran again ({r.time_to_recover_s:.1f} s)")
+        elif r.recovered:
+            ax.axvline(r.recovered_step, color="tab:green", lw=1.5, ls=":", label=f"recovered at step {r.recovered_step}")
+        ax.set_ylim(top=_ceiling(every, reference) * 1.05)
+        ax.set_title(f"{r.name}: {r.status.upper()}", color="tab:green" if r.status == "pass" else "tab:red", fontweight="bold")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6.5, loc="upper right")
+    fig.suptitle("Keel drill: the loss of each fault's run against its reference")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _ceiling(every, reference) -> float:
+    """The top of a panel: the start of training, so a NaN or a 1e6 loss does not flatten the curves;
+    higher points are drawn at the top edge."""
+    first = every.loss[every.loss.notna() & (every.loss < float("inf"))]
+    top = float(first.iloc[:5].max()) if len(first) else 1.0
+    if reference is not None and len(reference):
+        top = max(top, float(reference.loss.iloc[:5].max()))
+    return top * 1.3
