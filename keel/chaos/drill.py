@@ -18,8 +18,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,8 +78,9 @@ assert set(_BY_KIND) == set(KINDS)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False: --fault (a `keel train` flag) must not be taken for --faults or --fault-step.
     p = argparse.ArgumentParser(
-        prog="keel drill",
+        prog="keel drill", allow_abbrev=False,
         description="Run a short copy of a job once without faults and once per fault; report detection, recovery and loss. "
                     "Every other flag and --section.key=value is the job's, as for `keel train`.",
         epilog="Example: keel drill --config job.toml --pp 2 --dp 2 --tp 2 --suite standard",
@@ -91,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=5, help="checkpoint interval of the drill runs, in steps (default 5)")
     p.add_argument("--watchdog-floor", type=float, default=5.0, help="watchdog.floor_s of the drill runs (default 5 s)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take before it counts as failed (default 900)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once (default 1); more only when the machine holds the job several "
+                   "times over, e.g. a 1-process CPU job on a multi-core box")
     return p
 
 
@@ -104,6 +109,7 @@ class DrillSetup:
     checkpoint_every: int
     watchdog_floor: float
     timeout: float
+    jobs: int
     folder: Path
 
 
@@ -123,7 +129,9 @@ def parse_drill_args(argv: list[str]) -> tuple[DrillSetup, list[Drill]]:
                           "so that a checkpoint exists to recover from")
     resolve_run_dir(cfg)
     folder = Path(cfg.run.run_dir) / "drills" / ("drill-" + time.strftime("%Y%m%d-%H%M%S"))
-    setup = DrillSetup(cfg, job_argv, steps, fault_step, fault_rank, opts.checkpoint_every, opts.watchdog_floor, opts.timeout, folder)
+    if opts.jobs < 1:
+        raise ConfigError(f"--jobs={opts.jobs}: must be at least 1")
+    setup = DrillSetup(cfg, job_argv, steps, fault_step, fault_rank, opts.checkpoint_every, opts.watchdog_floor, opts.timeout, opts.jobs, folder)
     return setup, select_drills(opts.suite, opts.faults, cfg.recovery.nonfinite_limit)
 
 
@@ -156,20 +164,25 @@ def select_drills(suite: str, faults: str | None, nonfinite_limit: int) -> list[
             raise ConfigError(f"--faults: unknown drill '{item}'; choose from {list(DRILLS)} or give a spec KIND@step=S[,rank=R]")
     if not drills:
         raise ConfigError("--faults: no drill given")
+    names = [d.name for d in drills]
+    if len(set(names)) < len(names):
+        raise ConfigError(f"--faults: a drill is listed twice in {names}; give each once")
     return drills
 
 
 class Progress:
-    """A progress bar on the terminal (one line per run when the output is not a terminal)."""
+    """A progress bar on the terminal, or a line per finished run when the output is not a terminal
+    or several runs go at once."""
 
-    def __init__(self, total: int):
-        self.total, self.done, self.tty = total, 0, sys.stderr.isatty()
+    def __init__(self, total: int, live: bool):
+        self.total, self.done, self.live = total, 0, live and sys.stderr.isatty()
+        self._lock = threading.Lock()
 
     def show(self, label: str, elapsed: float, final: str = "") -> None:
         width = 24
-        filled = width * self.done // self.total
+        filled = width * self.done // max(1, self.total)
         line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label} {elapsed:5.0f} s {final}"
-        if self.tty:
+        if self.live:
             print("\r" + line.ljust(100), end="" if not final else "\n", file=sys.stderr, flush=True)
         elif final:
             print(line, file=sys.stderr, flush=True)
@@ -177,23 +190,26 @@ class Progress:
     def run(self, label: str, cmd: list[str], log_path: Path, timeout: float) -> int:
         start = time.monotonic()
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        timed_out = False
         with open(log_path, "w") as log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True) as proc:
             while proc.poll() is None:
                 if time.monotonic() - start > timeout:
                     os.killpg(proc.pid, signal.SIGKILL)  # the run's whole process tree: torchrun and its workers
                     proc.wait()
+                    timed_out = True
                     break
                 self.show(label, time.monotonic() - start)
                 time.sleep(0.5)
-        code = proc.returncode if time.monotonic() - start <= timeout else 124
-        self.done += 1
-        self.show(label, time.monotonic() - start, "ok" if code == 0 else f"exit {code}")
+        code = 124 if timed_out else proc.returncode
+        with self._lock:
+            self.done += 1
+            self.show(label, time.monotonic() - start, "ok" if code == 0 else f"exit {code}")
         return code
 
 
 class DrillRunner:
     def __init__(self, setup: DrillSetup, n_runs: int):
-        self.setup, self.progress = setup, Progress(n_runs)
+        self.setup, self.progress = setup, Progress(n_runs, live=setup.jobs == 1)
         (setup.folder / "runs").mkdir(parents=True, exist_ok=True)
 
     def train(self, name: str, extra: list[str]) -> tuple[Path, int]:
@@ -223,33 +239,35 @@ def applicable(drill: Drill, cfg: JobConfig) -> str | None:
 
 
 def run_drills(setup: DrillSetup, drills: list[Drill]) -> list[DrillResult]:
+    """The reference first (its step time sizes the straggler delays), then every fault run, then one
+    reference per distinct set of skipped batches; `setup.jobs` runs at a time."""
     runner = DrillRunner(setup, len(drills) + 1)
     reference, code = runner.train("reference", [])
     if code != 0:
         raise RuntimeError(f"the fault-free reference run failed (exit {code}); see {setup.folder / 'runs' / 'reference.log'}")
     ref_steps = read_steps(reference, effective=True)
     step_time = float(ref_steps.step_time_s.iloc[len(ref_steps) // 2:].median())
-    skip_refs: dict[tuple, Path] = {}
+    plans = {d.name: (d, expand(d, setup, step_time), applicable(d, setup.cfg)) for d in drills}
+    runnable = [(d, specs) for d, specs, why_not in plans.values() if why_not is None]
+    runner.progress.total -= len(drills) - len(runnable)
+    with ThreadPoolExecutor(setup.jobs) as pool:
+        runs = dict(zip([d.name for d, _ in runnable],
+                        pool.map(lambda x: runner.train(x[0].name, x[0].train_args + [f"--fault={s}" for s in x[1]]), runnable)))
+        skips = {name: tuple(skipped_batches(read_events(run_dir))) for name, (run_dir, _) in runs.items()
+                 if plans[name][0].expect.compare == "skip" and (run_dir / "run.sqlite").exists()}
+        wanted = sorted({s for s in skips.values() if s})
+        runner.progress.total += len(wanted)
+        names = [f"reference-skip-{i + 1}" for i in range(len(wanted))]
+        made = pool.map(lambda x: runner.train(x[0], ["--data.skip_batches=" + ";".join(f"{a}:{b}" for a, b in x[1])]), zip(names, wanted))
+        skip_refs = {s: (run_dir if code == 0 else None) for s, (run_dir, code) in zip(wanted, made)}
     hint = "" if setup.cfg.recovery.rollback else " (recovery.rollback is false in this job)"
     results = []
-    for drill in drills:
-        why_not = applicable(drill, setup.cfg)
-        specs = expand(drill, setup, step_time)
+    for drill, specs, why_not in plans.values():
         if why_not:
             results.append(DrillResult(drill.name, specs, "n/a", [why_not], fault_step=setup.fault_step))
-            runner.progress.done += 1
             continue
-        run_dir, code = runner.train(drill.name, drill.train_args + [f"--fault={s}" for s in specs])
-        compare_with = reference
-        if drill.expect.compare == "skip" and (run_dir / "run.sqlite").exists():
-            skips = tuple(skipped_batches(read_events(run_dir)))
-            if skips and skips not in skip_refs:
-                runner.progress.total += 1
-                ranges = ";".join(f"{a}:{b}" for a, b in skips)
-                skip_refs[skips], ref_code = runner.train(f"reference-skip-{len(skip_refs) + 1}", [f"--data.skip_batches={ranges}"])
-                if ref_code != 0:
-                    skip_refs[skips] = None
-            compare_with = skip_refs.get(skips, reference) if skips else reference
+        run_dir, code = runs[drill.name]
+        compare_with = skip_refs[skips[drill.name]] if skips.get(drill.name) else reference
         first = parse_fault(specs[0])
         results.append(judge(drill.name, specs, drill.expect, run_dir, code, compare_with, first.step, first.rank, hint))
     return results

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 from keel.trainer.config import ConfigError, JobConfig, check_run_dir
 from keel.trainer.data import open_tokens
 from keel.trainer.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
-from keel.trainer.launch import nccl_resilience_env, parse_train_args, resolve_run_dir, torchrun_command
+from keel.trainer.launch import parse_train_args, resolve_run_dir, torchrun_command, worker_env
 
 RESULTS_FILE = "preflight.json"
 WORKER_MODULE = "keel.chaos.preflight_worker"
@@ -82,9 +81,8 @@ def worker_command(cfg: JobConfig, train_opts: argparse.Namespace, timeout: floa
     """`keel train`'s torchrun command, running the preflight workers, without restarts (a failed check
     is an answer, not a fault to retry) and with torchrun's own rendezvous bounded by --timeout."""
     train_opts.max_restarts = 0
-    cmd = torchrun_command(cfg, train_opts, [])
-    assert cmd[-2:] == ["-m", "keel.trainer.train"], cmd  # the trainer's module ends the command; swap in ours
-    return cmd[:-2] + [f"--rdzv-conf=join_timeout={max(1, round(timeout))}", "-m", WORKER_MODULE, *worker_argv]
+    train_opts.rdzv_conf = f"join_timeout={max(1, round(timeout))}"
+    return torchrun_command(cfg, train_opts, worker_argv, module=WORKER_MODULE)
 
 
 def main(argv: list[str]) -> int:
@@ -106,11 +104,8 @@ def main(argv: list[str]) -> int:
     par = cfg.parallel
     print(f"keel preflight: {cfg.world_size} processes (pp{par.pp} dp{par.dp} tp{par.tp}); checking ranks, links, the checkpoint "
           f"disk under {cfg.run.run_dir}, memory, and an overfit of {opts.overfit_steps} steps", flush=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **nccl_resilience_env(Path(cfg.run.run_dir))}
-    # Share the cores among the local workers, as `keel train` does.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (cfg.world_size // train_opts.nnodes))))
     try:
-        checks = read_results(results_dir / RESULTS_FILE, subprocess.call(cmd, env=env))
+        checks = read_results(results_dir / RESULTS_FILE, subprocess.call(cmd, env=worker_env(cfg, train_opts, Path(cfg.run.run_dir))))
     except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the workers
         return 130
     finally:

@@ -20,7 +20,7 @@ from keel.trainer.config import ConfigError, JobConfig, check_run_dir, load_conf
 from keel.trainer.data import open_tokens
 
 # Flags passed through to torchrun so that the same command spans machines.
-TORCHRUN_OPTIONS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "master_addr", "master_port", "max_restarts")
+TORCHRUN_OPTIONS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "master_addr", "master_port", "max_restarts", "rdzv_conf")
 # Short flags for everyday fields.
 SHORT_FLAGS = {"pp": "parallel.pp", "dp": "parallel.dp", "tp": "parallel.tp", "steps": "training.steps", "seed": "training.seed", "run_dir": "run.run_dir"}
 DEFAULT_CONFIG = "small"
@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--rdzv-id", dest="rdzv_id")
     tr.add_argument("--master-addr", dest="master_addr")
     tr.add_argument("--master-port", dest="master_port", type=int)
+    tr.add_argument("--rdzv-conf", dest="rdzv_conf", help="torchrun's --rdzv-conf, e.g. join_timeout=900")
     tr.add_argument("--max-restarts", dest="max_restarts", type=int, default=3,
                     help="torchrun restarts the workers this many times after a failure (hang, crash, OOM); default 3")
     return p
@@ -111,7 +112,7 @@ def resolve_run_dir(cfg: JobConfig) -> None:
         cfg.run.run_dir = str(Path("runs") / cfg.run.run_id)
 
 
-def torchrun_command(cfg: JobConfig, opts: argparse.Namespace, worker_argv: list[str]) -> list[str]:
+def torchrun_command(cfg: JobConfig, opts: argparse.Namespace, worker_argv: list[str], module: str = "keel.trainer.train") -> list[str]:
     if cfg.world_size % opts.nnodes:
         raise ConfigError(f"--nnodes={opts.nnodes}: pp*dp*tp={cfg.world_size} processes do not split evenly over the nodes")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.world_size // opts.nnodes}", f"--nnodes={opts.nnodes}"]
@@ -123,7 +124,7 @@ def torchrun_command(cfg: JobConfig, opts: argparse.Namespace, worker_argv: list
             cmd.append(f"--{name.replace('_', '-')}={value}")
     if opts.node_rank is not None:
         cmd.append(f"--node-rank={opts.node_rank}")
-    return cmd + ["-m", "keel.trainer.train", *worker_argv]
+    return cmd + ["-m", module, *worker_argv]
 
 
 def main(argv: list[str]) -> int:
@@ -140,14 +141,18 @@ def main(argv: list[str]) -> int:
     run_dir = Path(cfg.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"keel train: {cfg.world_size} processes (pp{cfg.parallel.pp} dp{cfg.parallel.dp} tp{cfg.parallel.tp}), run dir {cfg.run.run_dir}", flush=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **nccl_resilience_env(run_dir)}
-    # Share the cores among the local workers (torchrun would pin every worker to 1 thread).
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (cfg.world_size // opts.nnodes))))
     try:
-        code = subprocess.call(cmd, env=env)
+        code = subprocess.call(cmd, env=worker_env(cfg, opts, run_dir))
     except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the workers
         return 130
     return exit_code_of_run(run_dir, code)
+
+
+def worker_env(cfg: JobConfig, opts: argparse.Namespace, run_dir: Path) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **nccl_resilience_env(run_dir)}
+    # Share the cores among the local workers (torchrun would pin every worker to 1 thread).
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (cfg.world_size // opts.nnodes))))
+    return env
 
 
 def nccl_resilience_env(run_dir: Path) -> dict[str, str]:

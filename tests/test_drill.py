@@ -1,0 +1,140 @@
+"""`keel drill` as a user runs it before a long job: real `keel train` runs (torchrun, gloo) per fault,
+judged from their run stores, with the report a person reads and the exit code a job script gates on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import keel
+from keel.monitor.store import read_events, read_steps
+
+TINY = ("--config", "tiny")
+# A short drill: the spike detector needs a baseline, so it may judge from step 12 on; faults hit step 22.
+SHORT_SPIKE = ("--spike.warmup_steps=12", "--spike.min_baseline=8")
+
+
+def drill(run_dir: Path, *args: str, timeout: float = 900) -> tuple[int, dict, Path, str]:
+    proc = keel("drill", "--run-dir", str(run_dir), *args, timeout=timeout)
+    reports = sorted((run_dir / "drills").glob("drill-*/report.json"))
+    assert reports, f"no report:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.returncode, json.loads(reports[-1].read_text()), reports[-1].parent, proc.stdout + proc.stderr
+
+
+def by_name(report: dict) -> dict:
+    return {r["name"]: r for r in report["results"]}
+
+
+def test_every_single_process_fault_is_detected_and_recovered_with_nothing_lost(tmp_path):
+    faults = "nan;inf_grad;nan_param;spike;lr_surge;data_corrupt;oom;deadlock;segfault;ckpt_corrupt"
+    code, report, folder, output = drill(tmp_path / "job", *TINY, *SHORT_SPIKE, "--faults", faults, "--watchdog-floor", "2", "--jobs", "2")
+    results = by_name(report)
+    assert code == 0 and report["passed"], output[-4000:]
+    assert list(results) == faults.split(";")
+    for r in results.values():
+        assert r["status"] == "pass" and r["detected"] and r["recovered"], r
+        assert r["detection_latency_s"] >= 0 and r["time_to_recover_s"] > 0 and r["goodput"] < 1
+    # The rollbacks skipped data, so their reference skipped the same batches; the run matches it exactly.
+    for name in ("nan", "inf_grad", "nan_param", "spike", "lr_surge", "data_corrupt"):
+        assert results[name]["batches_skipped"] and results[name]["loss_compared_with"].startswith("reference-skip-"), name
+        assert results[name]["loss_max_rel_diff"] == 0, name
+    assert results["spike"]["detected_by"] == "spike" and results["spike"]["detection_latency_steps"] == 2
+    assert results["data_corrupt"]["batches_skipped"] == [[21, 22]]  # the batch of step 22, and only it
+    # Faults that do not change the arithmetic leave the loss bit-identical (OOM: the same sums in halves).
+    for name in ("deadlock", "segfault", "ckpt_corrupt"):
+        assert results[name]["loss_compared_with"] == "reference" and results[name]["loss_max_rel_diff"] == 0, name
+    assert results["oom"]["loss_max_rel_diff"] < 1e-5
+    assert results["deadlock"]["detected_by"] == "hang"
+    assert list((folder / "runs" / "deadlock" / "dumps").glob("hang-attempt0-step22-rank0-gil.txt"))
+    assert results["ckpt_corrupt"]["detected_by"] == "checkpoint_corrupt" and results["ckpt_corrupt"]["steps_lost"] > 5
+    # The report a person reads: a table row per drill, and a picture.
+    md = (folder / "report.md").read_text()
+    assert "**PASS**: 10 passed, 0 failed" in md and md.count("| PASS |") == 10 and "![loss per drill](plot.png)" in md
+    assert (folder / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (folder / "plot.png").stat().st_size > 50_000
+
+
+def test_collective_faults_recover_at_pp2_dp2_tp2(tmp_path):
+    code, report, folder, output = drill(tmp_path / "job", *TINY, "--pp", "2", "--dp", "2", "--tp", "2", "--faults", "hang;crash;slow_comm",
+                                         "--drill-steps", "16", "--fault-step", "9", "--checkpoint-every", "4")
+    results = by_name(report)
+    assert code == 0 and report["passed"], output[-4000:]
+    for name in ("hang", "crash", "slow_comm"):
+        r = results[name]
+        assert r["status"] == "pass" and r["loss_max_rel_diff"] == 0 and "rank=7" in r["faults"][0], r
+    assert results["hang"]["detected_by"] == "hang" and results["crash"]["detected_by"] == "restart"
+    assert results["slow_comm"]["detected_by"] == "straggler" and results["slow_comm"]["steps_lost"] == 0
+    # Every rank left its stacks; the stuck rank's shows where it stopped: before the step's first collective.
+    hang_run = folder / "runs" / "hang"
+    dumps = sorted((hang_run / "dumps").glob("hang-attempt0-step9-rank*.txt"))
+    assert len(dumps) == 8
+    assert "at_step_start" in (hang_run / "dumps" / "hang-attempt0-step9-rank7.txt").read_text()
+    goodput = read_events(hang_run).query("kind == 'goodput'").iloc[-1]["data"]
+    assert goodput["lost_s"]["hang"] >= 5 and goodput["lost_s"]["restart"] > 0  # the watchdog floor of the drill: 5 s
+    # The SIGKILLed rank's group resumed from the checkpoint of step 8: losses and grad norms bit-identical.
+    crash, reference = read_steps(folder / "runs" / "crash", effective=True), read_steps(folder / "runs" / "reference", effective=True)
+    assert crash.grad_norm.tolist() == reference.grad_norm.tolist() and crash.loss.tolist() == reference.loss.tolist()
+    assert (crash[crash.step > 8].attempt == 1).all() and (crash[crash.step <= 8].attempt == 0).all()
+    assert read_events(folder / "runs" / "crash").query("kind == 'restart'").iloc[0]["data"]["restart_count"] == 1
+
+
+def test_a_straggler_is_named_in_a_dp2_drill(tmp_path):
+    code, report, _, output = drill(tmp_path / "job", *TINY, "--dp", "2", "--faults", "straggler",
+                                    "--drill-steps", "24", "--fault-step", "10", "--checkpoint-every", "5")
+    [r] = report["results"]
+    assert code == 0 and r["status"] == "pass", output[-3000:]
+    assert r["detected_by"] == "straggler" and ",rank=1," in r["faults"][0]
+    stragglers = read_events(r["run_dir"]).query("kind == 'straggler'")
+    assert set(stragglers["rank"]) == {1} and stragglers.iloc[0]["data"]["score"] < 0.75
+
+
+def test_a_drill_without_its_recovery_fails_and_says_why(tmp_path):
+    """Rollback off: the NaNs are still skipped, but nothing restores the run. The drill must not pass it."""
+    code, report, folder, _ = drill(tmp_path / "job", *TINY, *SHORT_SPIKE, "--faults", "nan_param", "--recovery.rollback=false")
+    [r] = report["results"]
+    assert code == 1 and not report["passed"] and r["status"] == "fail"
+    assert r["detected"] and not r["recovered"]
+    assert "not recovered: no rollback after the fault (recovery.rollback is false in this job)" in r["reasons"]
+    assert "**FAIL**" in (folder / "report.md").read_text()
+
+
+def test_straggler_drills_do_not_apply_without_peers_in_a_stage(tmp_path):
+    code, report, _, _ = drill(tmp_path / "job", *TINY, "--pp", "2", "--faults", "straggler", "--drill-steps", "8", "--fault-step", "6",
+                               "--checkpoint-every", "3")
+    [r] = report["results"]
+    assert code == 0 and r["status"] == "n/a" and "needs 2 ranks per pipeline stage" in r["reasons"][0]
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--faults", "melt"), "unknown drill 'melt'"),
+    (("--faults", "nan@step=x"), "bad value"),
+    (("--fault-rank", "4", "--dp", "2"), "--fault-rank=4: the job has ranks 0..1"),
+    (("--tp", "3"), "parallel.tp=3"),
+])
+def test_bad_drill_input_is_one_line_before_any_run(tmp_path, args, words):
+    proc = keel("drill", "--run-dir", str(tmp_path / "job"), *TINY, *args)
+    assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "job").exists()
+
+
+def test_keel_inject_hits_a_running_job(tmp_path):
+    run_dir = tmp_path / "live"
+    # Slow steps (a 60 ms straggler on the one rank) leave time to inject while the job runs.
+    cmd = [sys.executable, "-m", "keel.cli", "train", "--run-dir", str(run_dir), *TINY, "--steps", "150",
+           "--fault", "straggler@step=1,steps=150,ms=60", "--checkpoint.interval_steps=10"]
+    with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True) as job:
+        deadline = time.time() + 120
+        while time.time() < deadline and not ((run_dir / "run.sqlite").exists() and len(read_steps(run_dir)) >= 5):
+            time.sleep(0.5)
+        proc = keel("inject", str(run_dir), "nan", "--rank", "0")
+        assert proc.returncode == 0, proc.stderr
+        requested = int(proc.stdout.split("nan@step=")[1].split(",")[0])
+        assert job.wait(timeout=240) == 0
+    events = read_events(run_dir)
+    nonfinite = events[events.kind == "nonfinite"]
+    assert len(nonfinite) == 1 and requested <= int(nonfinite.step.iloc[0]) <= requested + 3
+    assert keel("inject", str(run_dir), "nan").returncode == 2  # the run has ended

@@ -1,0 +1,147 @@
+"""Fault specs, random fault plans and the injectors' hooks, without a training run (fast)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from keel.chaos.faults import KINDS, FaultPlan, parse_fault, random_faults
+from keel.chaos.inject import request
+from keel.monitor.store import RunStore
+from keel.trainer.data import BatchSampler
+
+
+@pytest.mark.parametrize("spec", ["nan@step=40,rank=1", "inf@step=3,steps=3,into=grad", "nan@step=5,into=param",
+                                  "spike@step=100,steps=5", "spike@step=7,steps=3,lr=100,data=0", "data_corrupt@step=9",
+                                  "oom@step=2,rank=0", "hang@step=4,rank=1,seconds=30", "deadlock@step=4,rank=3,seconds=5",
+                                  "crash@step=11,rank=5", "segfault@step=3", "straggler@step=3,rank=1,steps=12,ms=300",
+                                  "slow_comm@step=2,rank=7,steps=10,ms=50", "ckpt_corrupt@step=12"])
+def test_every_kind_parses_and_prints_back_the_same(spec):
+    fault = parse_fault(spec)
+    assert parse_fault(str(fault)) == fault
+    assert fault.kind in KINDS
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("melt@step=3", ["unknown fault 'melt'", "choose one of"]),
+    ("crash@rank=1", ["has no step"]),
+    ("nan@step=3,ms=5", ["'ms' does not apply to nan", "nan takes step, steps, rank, into"]),
+    ("spike@step=3,rank=1", ["'rank' does not apply to spike"]),
+    ("nan@step=3,into=weights", ["into=weights", "choose one of ['loss', 'grad', 'param']"]),
+    ("spike@step=3,data=0", ["injects nothing", "lr=F"]),
+    ("hang@step=x", ["bad value", "step is a number"]),
+])
+def test_bad_specs_say_what_to_fix(spec, words):
+    with pytest.raises(ValueError) as e:
+        parse_fault(spec)
+    assert all(w in str(e.value) for w in words), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_random_faults_have_the_mean_gap_asked_for_and_agree_across_ranks():
+    plan = random_faults(20.0, ["nan", "crash", "hang"], steps=20_000, world=8, seed=3)
+    gaps = np.diff([0] + [f.step for f in plan])
+    assert 0.9 < gaps.mean() / 20.0 < 1.1
+    assert {f.kind for f in plan} == {"nan", "crash", "hang"} and {f.rank for f in plan} == set(range(8))
+    assert plan == random_faults(20.0, ["nan", "crash", "hang"], steps=20_000, world=8, seed=3)
+    assert plan != random_faults(20.0, ["nan", "crash", "hang"], steps=20_000, world=8, seed=4)
+
+
+def test_nonfinite_faults_hit_the_parameter_the_gradient_and_every_micro_batch_loss(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    plan = FaultPlan([parse_fault("nan@step=2,into=param"), parse_fault("inf@step=3,into=grad"), parse_fault("nan@step=4")], 0, tmp_path)
+    plan.begin_step(1)
+    plan.at_step_start([model])
+    assert torch.isfinite(model.weight).all()
+    plan.end_step()
+    plan.begin_step(2)
+    plan.at_step_start([model])
+    assert torch.isnan(model.weight).any() and [f.into for f in plan.fired] == ["param"]
+    plan.end_step()
+    with torch.no_grad():
+        model.weight.copy_(torch.ones(4, 4))
+    plan.begin_step(3)
+    model(torch.ones(1, 4)).sum().backward()
+    plan.corrupt_grads([model])
+    assert not torch.isfinite(model.weight.grad).all()
+    plan.end_step()
+    plan.begin_step(4)
+    losses = [plan.corrupt_loss(torch.tensor(1.0)) for _ in range(3)]  # three micro-batches: all poisoned
+    assert all(torch.isnan(x) for x in losses)
+    plan.end_step()
+    # A rerun of step 4 (after a rollback), even in a new process, is clean: the fault fired once.
+    again = FaultPlan(plan.faults, 0, tmp_path)
+    again.begin_step(4)
+    assert torch.isfinite(again.corrupt_loss(torch.tensor(1.0)))
+    log = [json.loads(line) for line in (tmp_path / "chaos" / "injected.jsonl").read_text().splitlines()]
+    assert [(e["kind"], e["step"]) for e in log] == [("nan", 2), ("inf", 3), ("nan", 4)]
+
+
+def test_corrupt_batches_are_passed_over_by_every_rank_alike():
+    tokens = np.arange(10_000) % 256
+    plan = FaultPlan([parse_fault("data_corrupt@step=3")], rank=0)
+    samplers = [BatchSampler(tokens, 16, 8, r, 2, seed=0, vocab_size=256, transform=plan.corrupt_batch) for r in range(2)]
+    clean = [BatchSampler(tokens, 16, 8, r, 2, seed=0, skip_ranges=[(2, 3)]) for r in range(2)]
+    for _ in range(4):
+        for s, c in zip(samplers, clean):
+            np.testing.assert_array_equal(s.next_batch()[0], c.next_batch()[0])
+    assert [s.rejected for s in samplers] == [[2], [2]]
+
+
+def test_ckpt_corrupt_flips_bytes_of_the_newest_complete_checkpoint(tmp_path):
+    for step in (4, 8):
+        folder = tmp_path / "checkpoints" / f"step-{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)
+        (folder / "manifest.json").write_text("{}")
+    (tmp_path / "checkpoints" / ".tmp-step-00000012").mkdir()  # a save in flight is not touched
+    plan = FaultPlan([parse_fault("ckpt_corrupt@step=10")], rank=0, run_dir=tmp_path)
+    plan.begin_step(10)
+    plan.at_step_start([])
+    assert (tmp_path / "checkpoints" / "step-00000004" / "__0_0.distcp").read_bytes() == bytes(range(256)) * 4
+    changed = (tmp_path / "checkpoints" / "step-00000008" / "__0_0.distcp").read_bytes()
+    assert sum(a != b for a, b in zip(changed, bytes(range(256)) * 4)) == 16
+
+
+def test_a_held_gil_is_caught_by_the_watchdog_backstop(tmp_path):
+    """The hang watchdog is a Python thread, which a held GIL stops too; faulthandler's timer is not."""
+    code = textwrap.dedent(f"""
+        from keel.chaos.faults import _hold_gil
+        from keel.trainer.config import WatchdogConfig
+        from keel.trainer.watchdog import Watchdog
+        dog = Watchdog(WatchdogConfig(floor_s=1, startup_s=1, poll_s=0.2), {str(tmp_path)!r}, rank=3)
+        dog.beat("step", 7, attempt=2)
+        _hold_gil(60)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1  # faulthandler's exit: torchrun sees a failed worker and restarts the group
+    from keel.trainer.watchdog import stalled_dumps
+
+    [info] = stalled_dumps(tmp_path)
+    assert (info["rank"], info["step"], info["attempt"], info["phase"]) == (3, 7, 2, "step")
+    dump = (tmp_path / "dumps" / "hang-attempt2-step7-rank3-gil.txt").read_text()
+    assert "_hold_gil" in dump and "Timeout" in dump
+    assert stalled_dumps(tmp_path) == []  # reported once
+
+
+def test_inject_checks_the_run_and_leaves_a_request_the_plan_takes(tmp_path):
+    with pytest.raises(ValueError, match="no run store"):
+        request(tmp_path, "nan")
+    store = RunStore(tmp_path)
+    store.set_meta("world_size", 2)
+    store.write_event("run_started", "2 processes", step=0, attempt=0, rank=0)
+    store.close()
+    with pytest.raises(ValueError, match=r"--rank=2: the run has ranks 0..1"):
+        request(tmp_path, "nan", rank=2)
+    with pytest.raises(ValueError, match="unknown fault 'melt'"):
+        request(tmp_path, "melt")
+    assert request(tmp_path, "hang@seconds=5", rank=1) == "hang@step=2,rank=1,seconds=5"  # no steps yet: step 0 + 2
+    plan = FaultPlan([], rank=1, run_dir=tmp_path)
+    plan.begin_step(5)  # taken late: it fires now
+    assert [str(f) for f in plan.faults] == ["hang@step=5,rank=1,seconds=5"]
