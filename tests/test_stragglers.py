@@ -1,5 +1,6 @@
 """What the trainer's straggler alert relies on from keel.monitor.stragglers: scores from median busy
-times, each straggler flagged once until it recovers, unmeasured samples and single outliers ignored."""
+times, each straggler flagged once until it recovers or gets twice as slow, unmeasured samples and
+single outliers ignored."""
 
 from __future__ import annotations
 
@@ -45,6 +46,15 @@ def test_a_rank_that_recovered_and_slowed_again_is_flagged_again():
     assert feed(tracker, [[0.2, 0.2]] * 5) == []  # back on par: the flag is cleared
     assert tracker.scores() == [1.0, 1.0]
     assert feed(tracker, [[0.2, 0.5]] * 5) == [(1, pytest.approx(0.4))]
+
+
+def test_a_flagged_rank_that_gets_much_slower_is_reported_again():
+    """Flagged by noise at 0.7, then a real slowdown: the second report is the one that matters."""
+    tracker = StragglerTracker(StragglerConfig(window=3, min_samples=3), world=2)
+    assert feed(tracker, [[0.7, 1.0]] * 3) == [(1, pytest.approx(0.7))]
+    assert feed(tracker, [[0.7, 1.2]] * 3) == []  # 0.58: slower, but not half the reported score
+    assert feed(tracker, [[0.7, 2.8]] * 3) == [(1, pytest.approx(0.25))]
+    assert feed(tracker, [[0.7, 2.8]] * 3) == []  # the same slowness is not news
 
 
 def test_unmeasured_samples_are_ignored():

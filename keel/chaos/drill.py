@@ -47,7 +47,7 @@ class Drill:
 
 _ROLLBACK = Expectation(detect=("nonfinite",), recover=("rollback",), compare="skip")
 _RESTART = Expectation(detect=("restart",), recover=("restart",))
-_SLOW = Expectation(detect=("straggler",))
+_SLOW = Expectation(detect=("straggler",), degraded=True)
 DRILLS = {d.name: d for d in [
     Drill("nan", ("nan@step={S},rank={R},steps={K}",), _ROLLBACK),
     Drill("inf_grad", ("inf@step={S},rank={R},steps={K},into=grad",), _ROLLBACK),

@@ -2,7 +2,8 @@
 
 The plot has one panel per drill: the reference loss in grey, every step the run computed (the
 abandoned attempts as red crosses), the trajectory the run kept in blue, and vertical lines where the
-fault hit (red), where it was detected (orange) and where the run was back on track (green).
+fault hit (red) and where it was detected (orange); a green band covers the steps that ran again after
+the recovery. For a slow rank, which leaves the loss alone, the step time is drawn on a second axis.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ def _row(r: DrillResult) -> tuple[str, ...]:
         return (r.name, "n/a", "-", "-", "-", "-", r.reasons[0])
     detected = (f"{r.detected_by} at step {r.detection_step} (+{r.detection_latency_steps} steps, {r.detection_latency_s:.1f} s)"
                 if r.detected else "no")
-    recovered = f"step {r.recovered_step} ({r.time_to_recover_s:.1f} s after the fault)" if r.recovered else "no"
+    if not r.recovered:
+        recovered = "no"
+    elif r.recovered_step is None:
+        recovered = "kept going (a slow rank is named, not fixed)"
+    else:
+        recovered = f"step {r.recovered_step} ({r.time_to_recover_s:.1f} s after the fault)"
     if r.loss_max_rel_diff is None:
         loss = r.loss_compared_with or "-"
     elif math.isinf(r.loss_max_rel_diff):
@@ -109,19 +115,32 @@ def plot(results: list[DrillResult], reference_dir: Path, out: Path) -> None:
         if r.detected and r.detection_step is not None:
             ax.axvline(r.detection_step + 0.3, color="tab:orange", lw=1.5, ls="--",
                        label=f"detected: {r.detected_by} (+{r.detection_latency_s:.1f} s)")
-        if r.recovered and r.recovered_step <= max(r.fault_step, r.detection_step or 0):
+        if r.recovered_step is not None and len(dropped):
             # The recovery went back in steps (a rollback or a restart from a checkpoint): shade what ran again.
-            end = max(r.fault_step, r.detection_step or 0, int(dropped.step.max()) if len(dropped) else 0)
+            end = int(dropped.step.max())
             ax.axvspan(r.recovered_step - 0.5, end + 0.5, color="tab:green", alpha=0.15,
                        label=f"recovered: steps {r.recovered_step}-{end} ran again ({r.time_to_recover_s:.1f} s)")
-        elif r.recovered:
-            ax.axvline(r.recovered_step, color="tab:green", lw=1.5, ls=":", label=f"recovered at step {r.recovered_step}")
+        elif r.recovered_step is not None:
+            ax.axvline(r.recovered_step - 0.3, color="tab:green", lw=1.5, ls=":",
+                       label=f"recovered: step {r.recovered_step} ({r.time_to_recover_s:.1f} s)")
+        if r.recovered and r.recovered_step is None:
+            # A slow rank leaves the loss alone: what changes is the step time, so draw that too.
+            slow = ax.twinx()
+            if reference is not None:
+                slow.plot(reference.step, reference.step_time_s, color="tab:purple", lw=0.8, ls=":", label="reference step time")
+            slow.plot(kept.step, kept.step_time_s, color="tab:purple", lw=1.2, label="the run's step time")
+            slow.set_ylabel("step time (s)", color="tab:purple")
+            slow.set_ylim(bottom=0)
+            legend_on = slow  # drawn last, so its legend lies above both axes' lines
+        else:
+            legend_on = ax
         ax.set_ylim(top=_ceiling(every, reference) * 1.05)
         ax.set_title(f"{r.name}: {r.status.upper()}", color="tab:green" if r.status == "pass" else "tab:red", fontweight="bold")
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6.5, loc="upper right")
+        handles = [h for a in {ax, legend_on} for h in a.get_legend_handles_labels()[0]]
+        legend_on.legend(handles=handles, fontsize=6.5, loc="upper right", framealpha=0.9)
     fig.suptitle("Keel drill: the loss of each fault's run against its reference")
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -31,6 +31,7 @@ class Expectation:
     recover: tuple[str, ...] = ()  # event kinds of the recovery action; () when finishing is the recovery
     compare: str = "identical"
     rtol: float = 0.0  # 0: bit-identical. OOM recovery changes the micro-batch split, so the sums differ in rounding.
+    degraded: bool = False  # a slow rank: nothing to recover from, the run must only keep going (and be named)
 
 
 @dataclass
@@ -152,6 +153,8 @@ def judge(name: str, faults: list[str], expect: Expectation, run_dir: Path, exit
         r.reasons.append(f"not recovered: the run ended with exit code {exit_code} ({why})")
     elif expect.recover and action is None:
         r.reasons.append(f"not recovered: no {' or '.join(expect.recover)} after the fault{hint}")
+    elif expect.degraded:
+        r.recovered = True  # it kept going; there is no recovery step or time to report
     else:
         since = action[0] if action else r.fault_time
         after = kept[kept.time > since]

@@ -20,6 +20,10 @@ class StragglerConfig:
     window: int = 5  # the last this many measured samples of each rank make its median
     threshold: float = 0.75  # a rank whose score falls below this is flagged
     min_samples: int = 3  # a rank gets no score before it has this many samples
+    warmup_steps: int = 10  # steps not sampled: their one-time costs (allocation, first collectives) differ by rank
+    # A flagged rank is reported again when its score falls below this fraction of the score it was
+    # reported with: "twice as slow as when we told you" is news, the same slowness every step is not.
+    escalation: float = 0.5
 
 
 class StragglerTracker:
@@ -37,12 +41,13 @@ class StragglerTracker:
         groups = peers or [range(world)]
         self._peers = {r: list(group) for group in groups for r in group}
         self._samples = [deque(maxlen=cfg.window) for _ in range(world)]
-        self._flagged: set[int] = set()
+        self._flagged: dict[int, float] = {}  # rank -> the score it was last reported with
 
     def update(self, busy_s: Sequence[float]) -> list[tuple[int, float]]:
         """Add one step's busy times (NaN where a rank was not measured); returns the ranks newly below threshold.
 
-        A flagged rank is reported again only after its score has come back to the threshold or above.
+        A flagged rank is reported again after its score has come back to the threshold or above, or
+        when it has fallen below `escalation` times the score it was last reported with.
         """
         if len(busy_s) != self.world:
             raise ValueError(f"expected {self.world} busy times, one per rank, got {len(busy_s)}")
@@ -55,9 +60,9 @@ class StragglerTracker:
             if math.isnan(score):
                 continue
             if score >= self.cfg.threshold:
-                self._flagged.discard(rank)
-            elif rank not in self._flagged:
-                self._flagged.add(rank)
+                self._flagged.pop(rank, None)
+            elif rank not in self._flagged or score < self.cfg.escalation * self._flagged[rank]:
+                self._flagged[rank] = score
                 newly.append((rank, score))
         return newly
 

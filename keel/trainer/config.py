@@ -409,6 +409,9 @@ def _validate_stability(cfg: JobConfig) -> None:
         raise ConfigError(f"stragglers.min_samples={st.min_samples}: must be between 1 and stragglers.window={st.window}")
     if not 0 < st.threshold <= 1:
         raise ConfigError(f"stragglers.threshold={st.threshold}: must be in (0, 1]; 0.75 flags a rank 33% slower than the fastest")
+    _at_least("stragglers.warmup_steps", st.warmup_steps, 0)
+    if not 0 < st.escalation < 1:
+        raise ConfigError(f"stragglers.escalation={st.escalation}: must be in (0, 1); 0.5 reports a flagged rank again once twice as slow")
 
 
 def check_run_dir(run_dir: str) -> None:

@@ -233,7 +233,7 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int, process_s
             timeouts_tight = True
         verdict = guard.observe(step, row["loss"], row["grad_norm"], skipped)
         incidents.step(row, fault_ranks, verdict.findings)
-        if sample_comm:
+        if sample_comm and step > cfg.stragglers.warmup_steps:
             incidents.stragglers(step, attempt, stragglers.update(reporter.busy_s))
 
         if verdict.action == "stop":
