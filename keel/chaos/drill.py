@@ -241,6 +241,8 @@ def applicable(drill: Drill, cfg: JobConfig) -> str | None:
 def run_drills(setup: DrillSetup, drills: list[Drill]) -> list[DrillResult]:
     """The reference first (its step time sizes the straggler delays), then every fault run, then one
     reference per distinct set of skipped batches; `setup.jobs` runs at a time."""
+    if all(applicable(d, setup.cfg) for d in drills):  # nothing can run at this layout: no reference needed
+        return [DrillResult(d.name, expand(d, setup, 0.0), "n/a", [applicable(d, setup.cfg)], fault_step=setup.fault_step) for d in drills]
     runner = DrillRunner(setup, len(drills) + 1)
     reference, code = runner.train("reference", [])
     if code != 0:

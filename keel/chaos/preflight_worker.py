@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 from collections import Counter
-from contextlib import nullcontext, suppress
+from contextlib import suppress
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -274,11 +274,10 @@ def overfit(cfg: JobConfig, layout: parallel.Layout, device: torch.device, world
     """The real model at the job's layout trains `steps` steps on the job's first batch, at the job's LR held
     constant (no warmup: a warmup sized for a long run would leave nothing to see in a few steps). A
     model, a sharding or a pipeline that does not learn cannot memorize one batch."""
-    bf16 = cfg.training.dtype == "bf16" or (cfg.training.dtype == "auto" and device.type == "cuda")
+    bf16, autocast = parallel.mixed_precision(cfg, device)
     parts = parallel.build_model_parts(cfg, model_args(cfg), layout, device, bf16)
     schedule = parallel.build_schedule(cfg, parts, layout, device, parallel.loss_fn) if layout.pp > 1 else None
     optimizer = build_optimizer(parts, cfg.optim)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and not parallel.uses_fsdp(cfg) else nullcontext()
     source = open_tokens(cfg.data.source, cfg.data.seq_len)
     sampler = BatchSampler(source.tokens, cfg.data.seq_len, cfg.training.global_batch_size, layout.dp_rank, layout.dp, cfg.training.seed)
     inputs, targets = (torch.from_numpy(a).to(device) for a in sampler.next_batch())

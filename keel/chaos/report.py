@@ -72,6 +72,7 @@ def write_report(setup, results: list[DrillResult]) -> dict:
            "step of the kept trajectory after the recovery. Steps lost: steps computed and thrown away (rolled back or "
            "lost to a restart) plus steps skipped without an update. Loss: the kept trajectory against the reference, "
            "or against a reference that skipped the same batches when the recovery skipped data.", "", "![loss per drill](plot.png)", ""]
+    folder.mkdir(parents=True, exist_ok=True)
     paths = {"md": folder / "report.md", "json": folder / "report.json", "png": folder / "plot.png"}
     paths["md"].write_text("\n".join(md))
     doc = {"drill_id": folder.name, "passed": not failed, "summary": summary, "layout": {"pp": cfg.parallel.pp, "dp": cfg.parallel.dp, "tp": cfg.parallel.tp},

@@ -6,6 +6,7 @@ file only decides how the Llama blocks map onto it.
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,14 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, mode: str, bf16: bool) -
 
 def uses_fsdp(cfg: JobConfig) -> bool:
     return cfg.parallel.dp > 1 and cfg.parallel.dp_mode != "replicate"
+
+
+def mixed_precision(cfg: JobConfig, device: torch.device) -> tuple[bool, AbstractContextManager]:
+    """(bf16 on?, the context the forward runs in). training.dtype=auto means bf16 on CUDA, fp32 on CPU.
+    FSDP applies bf16 itself (its MixedPrecisionPolicy); everything else gets autocast."""
+    bf16 = cfg.training.dtype == "bf16" or (cfg.training.dtype == "auto" and device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and not uses_fsdp(cfg) else nullcontext()
+    return bf16, autocast
 
 
 def build_model_parts(cfg: JobConfig, args: ModelArgs, layout: Layout, device: torch.device, bf16: bool) -> list[Transformer]:

@@ -10,7 +10,6 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -96,7 +95,7 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int, process_s
     resuming = cfg.run.resume or restart_count > 0
     oom_note = oom.apply_saved_microbatches(cfg, run_dir) if resuming else None
     watchdog = Watchdog(cfg.watchdog, run_dir, rank)
-    bf16 = cfg.training.dtype == "bf16" or (cfg.training.dtype == "auto" and device.type == "cuda")
+    bf16, autocast = parallel.mixed_precision(cfg, device)
     if bf16 and device.type != "cuda":
         log.warning("training.dtype=bf16 on CPU: running bf16 autocast on CPU")
 
@@ -111,8 +110,6 @@ def train(cfg: JobConfig, device: torch.device, rank: int, world: int, process_s
 
     schedule = parallel.build_schedule(cfg, parts, layout, device, step_loss) if layout.pp > 1 else None
     optimizer = build_optimizer(parts, cfg.optim)
-    # FSDP applies bf16 itself; everything else gets autocast.
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and not parallel.uses_fsdp(cfg) else nullcontext()
 
     log.info("model built: %d stage(s) on this rank", len(parts))
     source = open_tokens(cfg.data.source, cfg.data.seq_len)
