@@ -126,8 +126,8 @@ def test_bad_drill_input_is_one_line_before_any_run(tmp_path, args, words):
 def test_keel_inject_hits_a_running_job(tmp_path):
     run_dir = tmp_path / "live"
     # Slow steps (a 60 ms straggler on the one rank) leave time to inject while the job runs.
-    cmd = [sys.executable, "-m", "keel.cli", "train", "--run-dir", str(run_dir), *TINY, "--steps", "150",
-           "--fault", "straggler@step=1,steps=150,ms=60", "--checkpoint.interval_steps=10"]
+    cmd = [sys.executable, "-m", "keel.cli", "train", "--run-dir", str(run_dir), *TINY, "--steps", "80",
+           "--fault", "straggler@step=1,steps=80,ms=60", "--checkpoint.interval_steps=10"]
     with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True) as job:
         deadline = time.time() + 120
         while time.time() < deadline and not ((run_dir / "run.sqlite").exists() and len(read_steps(run_dir)) >= 5):

@@ -140,7 +140,7 @@ def plot(results: list[DrillResult], reference_dir: Path, out: Path) -> None:
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)
-        handles = [h for a in {ax, legend_on} for h in a.get_legend_handles_labels()[0]]
+        handles = [h for a in dict.fromkeys([ax, legend_on]) for h in a.get_legend_handles_labels()[0]]
         legend_on.legend(handles=handles, fontsize=6.5, loc="upper right", framealpha=0.9)
     fig.suptitle("Keel drill: the loss of each fault's run against its reference")
     fig.tight_layout()

@@ -3,6 +3,10 @@
 Communication runs on other threads (gloo's workers) or CUDA streams (NCCL kernels). It is exposed
 when nothing else is computing meanwhile: on CPU, the training thread is not inside an aten op; on
 GPU, no compute kernel runs. Exposed time = |communication intervals minus compute intervals|.
+
+On CPU a wait can hide inside an aten op: tensor parallelism's async collectives are waited for
+(`_c10d_functional::wait_tensor`) when the next op uses their result, so the wait is nested in that
+op. The training thread's waits are therefore cut out of its compute intervals.
 """
 
 from __future__ import annotations
@@ -54,6 +58,22 @@ def exposed_time(comm: list[tuple[float, float]], compute: list[tuple[float, flo
     return total
 
 
+def subtract(intervals: list[tuple[float, float]], holes: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of `intervals` (merged) not covered by any of `holes`."""
+    out, cut = [], _merge(holes)
+    for start, end in _merge(intervals):
+        cursor = start
+        for h_start, h_end in cut:
+            if h_end <= cursor or h_start >= end:
+                continue
+            if h_start > cursor:
+                out.append((cursor, h_start))
+            cursor = max(cursor, h_end)
+        if cursor < end:
+            out.append((cursor, end))
+    return out
+
+
 def exposed_comm_seconds(prof: profile) -> float:
     """Exposed communication of the step marked with STEP_MARK in this profile."""
     # The raw kineto events: building profile.events() costs seconds in Python for one step.
@@ -63,7 +83,7 @@ def exposed_comm_seconds(prof: profile) -> float:
         return 0.0
     main_thread, w_start, w_end = marks[0].start_thread_id(), marks[0].start_ns(), marks[0].end_ns()
     on_gpu = any(e.device_type() == DeviceType.CUDA for e in events)
-    comm, compute = [], []
+    comm, compute, waits = [], [], []
     for e in events:
         start, end = max(e.start_ns(), w_start), min(e.end_ns(), w_end)
         if end <= start or e is marks[0]:
@@ -74,9 +94,11 @@ def exposed_comm_seconds(prof: profile) -> float:
                 (comm if _is_comm(e.name()) else compute).append((start, end))
         elif _is_comm(e.name()):
             comm.append((start, end))
+            if e.start_thread_id() == main_thread:
+                waits.append((start, end))
         elif e.start_thread_id() == main_thread and e.name().startswith(_COMPUTE_PREFIX):
             compute.append((start, end))
-    return exposed_time(comm, compute) / 1e9
+    return exposed_time(comm, subtract(compute, waits)) / 1e9
 
 
 @contextlib.contextmanager
