@@ -52,7 +52,8 @@ def matrix(reports: dict[str, dict | None]) -> str:
             if r is None:
                 cells.append("no report")
             elif r["status"] == "pass":
-                cells.append(f"PASS (found {r['detection_latency_s']:.1f} s, back {r['time_to_recover_s']:.1f} s)")
+                back = "kept going" if r["time_to_recover_s"] is None else f"back {r['time_to_recover_s']:.1f} s"
+                cells.append(f"PASS (found {r['detection_latency_s']:.1f} s, {back})")
             else:
                 cells.append(r["status"].upper())
         lines.append(f"| {drill} | " + " | ".join(cells) + " |")
