@@ -83,6 +83,22 @@ def test_nonfinite_faults_hit_the_parameter_the_gradient_and_every_micro_batch_l
     assert [(e["kind"], e["step"]) for e in log] == [("nan", 2), ("inf", 3), ("nan", 4)]
 
 
+def test_an_lr_surge_fires_once_but_its_poisoned_batches_stay_poisoned(tmp_path):
+    """A restart re-runs the steps: the surge (a transient event) does not come back, the bad data does."""
+    spike = parse_fault("spike@step=3,steps=2,lr=50")
+    window = np.zeros((2, 9), dtype=np.int64)
+    for attempt in range(2):  # a new FaultPlan per attempt, as in a restarted process
+        plan = FaultPlan([spike], rank=0, run_dir=tmp_path)
+        scales = []
+        for step in (3, 4):
+            plan.begin_step(step)
+            poisoned = plan.corrupt_batch(step - 1, window, 256)
+            assert poisoned.any(), (attempt, step)  # random bytes, every attempt
+            scales.append(plan.lr_scale())
+            plan.end_step()
+        assert scales == ([50.0, 50.0] if attempt == 0 else [1.0, 1.0])
+
+
 def test_corrupt_batches_are_passed_over_by_every_rank_alike():
     tokens = np.arange(10_000) % 256
     plan = FaultPlan([parse_fault("data_corrupt@step=3")], rank=0)

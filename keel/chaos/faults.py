@@ -11,9 +11,9 @@ A fault fires once at each of its steps: a step that runs again after a rollback
 clean (a real transient fault does not come back either). The firing rank leaves a marker in
 RUN_DIR/chaos/ before it acts, so even a fault that kills the process is not repeated after torchrun
 restarts it, and appends a line to RUN_DIR/chaos/injected.jsonl (what, where, when) for drills to read.
-Three kinds are not transient and have no marker: `spike` and `data_corrupt` are properties of the
-batches (only skipping them gets rid of them), and `straggler` and `slow_comm` are properties of a
-machine for a span of steps.
+What is not transient has no marker: the batches that `spike` and `data_corrupt` poison (only
+skipping them gets rid of them), and `straggler` and `slow_comm`, properties of a machine for a span
+of steps. A spike's LR surge is transient: it fires once, like the rest.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ _KIND_FIELDS = {
 }
 NONFINITE = {"nan": float("nan"), "inf": float("inf")}
 TARGETS = ("loss", "grad", "param")
-# Faults tied to the data or to a machine: no fire-once marker (see the module docstring).
-_PERSISTENT = ("spike", "data_corrupt", "straggler", "slow_comm")
+# Faults tied to a machine: no fire-once marker (see the module docstring; data faults never look one up).
+_PERSISTENT = ("data_corrupt", "straggler", "slow_comm")
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,7 @@ class FaultPlan:
         self.step = 0
         self.fired: list[Fault] = []  # this step's injected faults, for the trainer to record
         self._spent: set[tuple[Fault, int]] = set()
+        self._marked_now: set[Fault] = set()  # faults that left their marker at this step
         self._logged: set[tuple[Fault, int]] = set()
         self._requests_seen: set[str] = set()
 
@@ -148,6 +149,7 @@ class FaultPlan:
     def begin_step(self, step: int) -> None:
         self.step = step
         self.fired = []
+        self._marked_now = set()
         self._take_requests()
 
     def _take_requests(self) -> None:
@@ -173,14 +175,19 @@ class FaultPlan:
             if f.kind in kinds and f.hits(self.step, self.rank) and (f, self.step) not in self._spent:
                 # A loss fault fires on every micro-batch of its step: its own marker does not stop it.
                 marker = self._marker(f)
-                if f.kind in _PERSISTENT or f in self.fired or marker is None or not marker.exists():
+                if f.kind in _PERSISTENT or f in self._marked_now or marker is None or not marker.exists():
                     due.append(f)
         return due
 
-    def _fire(self, fault: Fault, detail: str = "") -> None:
-        """Records a fault as it acts: the fire-once marker, the injection log, this step's list."""
+    def _fire(self, fault: Fault, detail: str = "", marker: bool = True) -> None:
+        """Records a fault as it acts: the fire-once marker (not for poisoned batches), the injection
+        log, this step's list."""
         if fault not in self.fired:
             self.fired.append(fault)
+        if marker and fault.kind not in _PERSISTENT and self.run_dir is not None and fault not in self._marked_now:
+            self._marked_now.add(fault)
+            (self.run_dir / "chaos").mkdir(parents=True, exist_ok=True)
+            self._marker(fault).write_text(f"{time.time()}\n")
         if (fault, self.step) in self._logged:
             return
         self._logged.add((fault, self.step))
@@ -188,8 +195,6 @@ class FaultPlan:
             return
         folder = self.run_dir / "chaos"
         folder.mkdir(parents=True, exist_ok=True)
-        if fault.kind not in _PERSISTENT:
-            self._marker(fault).write_text(f"{time.time()}\n")
         line = {"fault": str(fault), "kind": fault.kind, "rank": self.rank, "step": self.step, "time": time.time(), "detail": detail}
         with open(folder / "injected.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
@@ -277,11 +282,11 @@ class FaultPlan:
                 if fault.kind == "spike" and fault.data:
                     rng = np.random.default_rng([fault.step, batch_index])
                     window = rng.integers(0, min(256, vocab_size), size=window.shape)
-                    self._fire(fault, f"batch {batch_index} replaced by random bytes")
+                    self._fire(fault, f"batch {batch_index} replaced by random bytes", marker=False)
                 elif fault.kind == "data_corrupt":
                     window = window.copy()
                     window[:, window.shape[1] // 2] = vocab_size + 7  # what a damaged file or a wrong tokenizer gives
-                    self._fire(fault, f"batch {batch_index} holds token ids >= {vocab_size}")
+                    self._fire(fault, f"batch {batch_index} holds token ids >= {vocab_size}", marker=False)
         return window
 
 

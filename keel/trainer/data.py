@@ -190,16 +190,17 @@ class BatchSampler:
             # is exactly the single-process batch whatever dp_size is.
             rng = np.random.default_rng([self.seed, self.batch_index])
             offsets = rng.integers(0, len(self.tokens) - self.seq_len, size=self.global_batch_size)
-            # Plain numpy: the launcher validates data without paying for importing torch.
-            window = np.asarray(self.tokens[offsets[:, None] + self._window]).astype(np.int64)
+            # Plain numpy: the launcher validates data without paying for importing torch. The check
+            # reads the whole global batch in the file's own dtype; only this rank's rows become int64.
+            window = np.asarray(self.tokens[offsets[:, None] + self._window])
             if self.transform is not None:
-                window = self.transform(self.batch_index, window, self.vocab_size)
+                window = self.transform(self.batch_index, window.astype(np.int64), self.vocab_size)
             self.batch_index += 1
             if self.vocab_size is None or int(window.max()) < self.vocab_size:
                 break
             self.rejected.append(self.batch_index - 1)
         lo = self.dp_rank * self.local_batch_size
-        rows = window[lo : lo + self.local_batch_size]
+        rows = window[lo : lo + self.local_batch_size].astype(np.int64)
         return rows[:, :-1], rows[:, 1:]
 
     def skip(self, n_batches: int) -> None:

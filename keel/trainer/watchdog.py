@@ -46,6 +46,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="keel-watchdog", daemon=True)
         self._stall = None
+        self._armed_phase, self._armed_at = "", 0.0
         if cfg.enabled:
             self.dumps.mkdir(parents=True, exist_ok=True)
             for old in self.dumps.glob(f"stall-rank{rank}-pid*.txt"):  # left empty by a killed process
@@ -63,14 +64,18 @@ class Watchdog:
 
     def _arm_stall_timer(self) -> None:
         """The GIL-free backstop fires two polls after this thread would have: later than the watchdog
-        thread when that one can run, so it only acts when the GIL is held."""
+        thread when that one can run, so it only acts when the GIL is held. Re-arming starts a thread
+        (about 140 us), so it happens at most once a poll, or when the phase changes; the deadline
+        then reaches one poll further, so a beat that did not re-arm still gets its full allowance."""
         allowed = self.timeout_s() + 2 * self.cfg.poll_s
         info = {"rank": self.rank, "step": self.step, "attempt": self.attempt, "phase": self.phase,
                 "stalled_s": round(allowed, 3), "timeout_s": round(allowed, 3)}
         self._stall.seek(0)
         self._stall.write(json.dumps(info).ljust(_STALL_HEADER) + "\n")  # faulthandler appends the stacks after it
         self._stall.flush()
-        faulthandler.dump_traceback_later(allowed, exit=True, file=self._stall)
+        if self.phase != self._armed_phase or self.last_beat - self._armed_at >= self.cfg.poll_s:
+            self._armed_phase, self._armed_at = self.phase, self.last_beat
+            faulthandler.dump_traceback_later(allowed + self.cfg.poll_s, exit=True, file=self._stall)
 
     def step_finished(self, step_time_s: float) -> None:
         """Feeds the step-time allowance; the first warmup_steps steps do not count (they compile and allocate)."""
