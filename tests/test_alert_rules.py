@@ -17,7 +17,7 @@ import pytest
 
 from servers import MetricsTarget, WebhookReceiver, start_alertmanager, start_prometheus
 
-ALERTING = Path(__file__).resolve().parents[1] / "keel" / "monitor" / "alerting"
+ALERTING = Path(__file__).resolve().parents[1] / "monitor" / "alerting"
 RULES = ALERTING / "keel-rules.yml"
 RULE_TESTS = ALERTING / "keel-rules.test.yml"
 AM_EXAMPLE = ALERTING / "alertmanager.example.yml"

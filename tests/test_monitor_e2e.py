@@ -15,7 +15,7 @@ from pathlib import Path
 from keel.monitor.store import read_events, read_steps
 from servers import WebhookReceiver, free_port, start_alertmanager, start_prometheus
 
-RULES = Path(__file__).resolve().parents[1] / "keel" / "monitor" / "alerting" / "keel-rules.yml"
+RULES = Path(__file__).resolve().parents[1] / "monitor" / "alerting" / "keel-rules.yml"
 STEPS, NAN_STEP = 60, 45
 
 

@@ -40,6 +40,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return run(rest)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
