@@ -34,23 +34,56 @@ def first_step_start(steps, attempt: int) -> float:
 
 def rollback(tmp: Path, preset: str) -> None:
     run_dir = tmp / "rollback"
-    keel_train(run_dir, "--config", preset, "--pp", "1", "--dp", "1", "--tp", "1", "--steps", "120",
-               "--checkpoint.interval_steps=20", "--spike.warmup_steps=30", "--fault", "spike@step=90,steps=5")
+    keel_train(
+        run_dir,
+        "--config",
+        preset,
+        "--pp",
+        "1",
+        "--dp",
+        "1",
+        "--tp",
+        "1",
+        "--steps",
+        "120",
+        "--checkpoint.interval_steps=20",
+        "--spike.warmup_steps=30",
+        "--fault",
+        "spike@step=90,steps=5",
+    )
     steps, events = read_steps(run_dir), read_events(run_dir)
     rb = events[events.kind == "rollback"].iloc[0]
     confirm = steps[(steps.step == rb.data["from_step"]) & (steps.attempt == rb.attempt - 1)].iloc[0]
     took = first_step_start(steps, rb.attempt) - confirm.time
     step_s = statistics.median(steps[steps.attempt == 0].step_time_s.iloc[10:])
     load = rb.data["load_s"]
-    print(f"rollback ({preset}, 1 process): {took:.3f} s from the confirming step to the next step; "
-          f"checkpoint load {load:.3f} s, median step {step_s:.3f} s")
+    print(
+        f"rollback ({preset}, 1 process): {took:.3f} s from the confirming step to the next step; "
+        f"checkpoint load {load:.3f} s, median step {step_s:.3f} s"
+    )
     print(f"  rollback - load = {took - load:.3f} s = {(took - load) / step_s:.2f} step times (target < 2)")
 
 
 def hang(tmp: Path, preset: str) -> None:
     run_dir = tmp / "hang"
-    keel_train(run_dir, "--config", preset, "--dp", "2", "--pp", "1", "--tp", "1", "--steps", "30", "--checkpoint.interval_steps=10",
-               "--fault", "hang@step=20,rank=1", "--watchdog.floor_s=5", "--watchdog.warmup_steps=3")
+    keel_train(
+        run_dir,
+        "--config",
+        preset,
+        "--dp",
+        "2",
+        "--pp",
+        "1",
+        "--tp",
+        "1",
+        "--steps",
+        "30",
+        "--checkpoint.interval_steps=10",
+        "--fault",
+        "hang@step=20,rank=1",
+        "--watchdog.floor_s=5",
+        "--watchdog.warmup_steps=3",
+    )
     steps, events = read_steps(run_dir), read_events(run_dir)
     h = events[events.kind == "hang"].iloc[0]
     started = events[(events.kind == "run_started") & (events.attempt == h.attempt + 1)].iloc[0]

@@ -25,7 +25,7 @@ import torch
 
 from keel.monitor.store import read_events, read_steps
 from keel.trainer.launch import parse_train_args
-from keel.trainer.train import train
+from keel.trainer.train import Trainer
 
 WARMUP_STEPS = 50  # also lets the sinks' own start-up (wandb's service process) settle
 
@@ -42,19 +42,39 @@ class _Quiet(http.server.BaseHTTPRequestHandler):
 
 def sink_flags(sinks: list[str], webhook: str) -> list[str]:
     return [
-        f"--monitor.prometheus={'prometheus' in sinks}".lower(), "--monitor.prometheus_port=0",
-        f"--monitor.wandb={'wandb' in sinks}".lower(), "--monitor.wandb_mode=offline",
+        f"--monitor.prometheus={'prometheus' in sinks}".lower(),
+        "--monitor.prometheus_port=0",
+        f"--monitor.wandb={'wandb' in sinks}".lower(),
+        "--monitor.wandb_mode=offline",
     ] + ([f"--monitor.webhook_url={webhook}"] if "webhook" in sinks else [])
 
 
 def run(steps: int, run_dir: Path, flags: list[str]) -> tuple[float, float]:
     """(median step time after warm-up, CPU seconds the sink threads used per step) of one run of
     the real train loop in this process."""
-    cfg, _ = parse_train_args(["--config", "tiny", "--pp", "1", "--dp", "1", "--tp", "1", "--steps", str(steps),
-                               "--run-dir", str(run_dir), "--run.run_id", run_dir.name, "--metrics.log_every=1000000", *flags],
-                              world_size=1)
+    cfg, _ = parse_train_args(
+        [
+            "--config",
+            "tiny",
+            "--pp",
+            "1",
+            "--dp",
+            "1",
+            "--tp",
+            "1",
+            "--steps",
+            str(steps),
+            "--run-dir",
+            str(run_dir),
+            "--run.run_id",
+            run_dir.name,
+            "--metrics.log_every=1000000",
+            *flags,
+        ],
+        world_size=1,
+    )
     with contextlib.redirect_stdout(io.StringIO()):
-        train(cfg, torch.device("cpu"), rank=0, world=1)
+        Trainer(cfg, torch.device("cpu"), rank=0, world=1).train()
     closed = read_events(run_dir).query("kind == 'sinks_closed'")
     sink_cpu = sum(s["cpu_s"] for s in closed.iloc[0].data.values()) if len(closed) else 0.0
     return statistics.median(read_steps(run_dir).step_time_s[WARMUP_STEPS:]), sink_cpu / steps
@@ -82,19 +102,23 @@ def main() -> None:
                 (on if mode == "on" else off).append(step_time)
                 if mode == "on":
                     sink_cpu.append(cpu)
-            print(f"round {r + 1}: sinks off {off[-1] * 1e3:.2f} ms/step   {a.sinks} on {on[-1] * 1e3:.2f} ms/step   "
-                  f"overhead {on[-1] / off[-1] - 1:+.2%}", flush=True)
+            print(
+                f"round {r + 1}: sinks off {off[-1] * 1e3:.2f} ms/step   {a.sinks} on {on[-1] * 1e3:.2f} ms/step   "
+                f"overhead {on[-1] / off[-1] - 1:+.2%}",
+                flush=True,
+            )
     server.shutdown()
     m_off, m_on = statistics.median(off), statistics.median(on)
     ratios = sorted(b / a for a, b in zip(off, on))
     ratio = statistics.median(ratios)
     q1, _, q3 = statistics.quantiles(ratios, n=4)
-    print(f"\ntiny, 1 process, torch threads {torch.get_num_threads()}, {a.steps} steps x {a.rounds} rounds, on = {a.sinks}: "
-          f"off {m_off * 1e3:.2f} ms/step, on {m_on * 1e3:.2f} ms/step; overhead of the medians {m_on / m_off - 1:+.2%}, "
-          f"median of round ratios {ratio - 1:+.2%} (quartiles {q1 - 1:+.2%} .. {q3 - 1:+.2%}; target <= 1%)")
+    print(
+        f"\ntiny, 1 process, torch threads {torch.get_num_threads()}, {a.steps} steps x {a.rounds} rounds, on = {a.sinks}: "
+        f"off {m_off * 1e3:.2f} ms/step, on {m_on * 1e3:.2f} ms/step; overhead of the medians {m_on / m_off - 1:+.2%}, "
+        f"median of round ratios {ratio - 1:+.2%} (quartiles {q1 - 1:+.2%} .. {q3 - 1:+.2%}; target <= 1%)"
+    )
     cpu = statistics.median(sink_cpu)
-    print(f"CPU of the sink threads: {cpu * 1e6:.0f} us per step = {cpu / m_off:.2%} of a step "
-          f"(W&B's own service process not included)")
+    print(f"CPU of the sink threads: {cpu * 1e6:.0f} us per step = {cpu / m_off:.2%} of a step (W&B's own service process not included)")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ def bare_loop(config: str, steps: int) -> list[float]:
 
     from keel.trainer.config import load_config
     from keel.trainer.data import BatchSampler, open_tokens
-    from keel.trainer.model import Transformer, model_args
+    from keel.trainer.model import Transformer
+    from keel.trainer.model_args import model_args
 
     cfg = load_config(config, {"parallel.pp": 1, "parallel.dp": 1, "parallel.tp": 1, "training.steps": steps})
     o = cfg.optim
@@ -40,9 +41,15 @@ def bare_loop(config: str, steps: int) -> list[float]:
     model.init_weights(cfg.training.seed)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    data = BatchSampler(open_tokens(cfg.data.source, cfg.data.seq_len).tokens, cfg.data.seq_len, cfg.training.global_batch_size, 0, 1, cfg.training.seed)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+    )
+    data = BatchSampler(
+        open_tokens(cfg.data.source, cfg.data.seq_len).tokens, cfg.data.seq_len, cfg.training.global_batch_size, 0, 1, cfg.training.seed
+    )
     m = cfg.training.microbatches
     times, last = [], time.perf_counter()
     for step in range(1, steps + 1):
@@ -68,8 +75,25 @@ def bare_loop(config: str, steps: int) -> list[float]:
 def keel_run(config: str, steps: int, run_dir: Path, env: dict) -> list[float]:
     from keel.monitor.store import read_steps
 
-    cmd = [sys.executable, "-m", "keel.cli", "train", "--config", config, "--pp", "1", "--dp", "1", "--tp", "1",
-           "--steps", str(steps), "--run-dir", str(run_dir), "--metrics.log_every=1000000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "keel.cli",
+        "train",
+        "--config",
+        config,
+        "--pp",
+        "1",
+        "--dp",
+        "1",
+        "--tp",
+        "1",
+        "--steps",
+        str(steps),
+        "--run-dir",
+        str(run_dir),
+        "--metrics.log_every=1000000",
+    ]
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     return list(read_steps(run_dir).step_time_s)
 
@@ -94,12 +118,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
             k = keel_run(a.config, a.steps, Path(tmp) / f"keel-{r}", env)
-            out = subprocess.run([sys.executable, __file__, "--bare-worker", "--config", a.config, "--steps", str(a.steps)],
-                                 check=True, env=env, capture_output=True, text=True).stdout
+            out = subprocess.run(
+                [sys.executable, __file__, "--bare-worker", "--config", a.config, "--steps", str(a.steps)],
+                check=True,
+                env=env,
+                capture_output=True,
+                text=True,
+            ).stdout
             b = json.loads(out.strip().splitlines()[-1])
             keel_tps.append(tokens_per_step / statistics.median(k[WARMUP_STEPS:]))
             bare_tps.append(tokens_per_step / statistics.median(b[WARMUP_STEPS:]))
-            print(f"round {r + 1}: keel {keel_tps[-1]:9,.0f} tok/s   bare {bare_tps[-1]:9,.0f} tok/s   ratio {keel_tps[-1] / bare_tps[-1]:.3f}")
+            print(
+                f"round {r + 1}: keel {keel_tps[-1]:9,.0f} tok/s   bare {bare_tps[-1]:9,.0f} tok/s   ratio {keel_tps[-1] / bare_tps[-1]:.3f}"
+            )
     kt, bt = statistics.median(keel_tps), statistics.median(bare_tps)
     print(f"\n{a.config}: {tokens_per_step} tokens/step, {a.steps} steps x {a.rounds} rounds, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}")
     print(f"keel {kt:,.0f} tok/s | bare {bt:,.0f} tok/s | keel / bare = {kt / bt:.3f} (target >= 0.97)")

@@ -25,8 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from keel.chaos.faults import KINDS, parse_fault
+from keel.chaos.fault_specs import KINDS, parse_fault
 from keel.chaos.verdict import DrillResult, Expectation, judge, skipped_batches
+from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+from keel.monitor.run_dir import DRILL_DIR, STORE_FILE
 from keel.monitor.store import read_events, read_steps
 from keel.trainer.config import ConfigError, JobConfig
 from keel.trainer.launch import parse_train_args, resolve_run_dir
@@ -48,54 +50,80 @@ class Drill:
 _ROLLBACK = Expectation(detect=("nonfinite",), recover=("rollback",), compare="skip")
 _RESTART = Expectation(detect=("restart",), recover=("restart",))
 _SLOW = Expectation(detect=("straggler",), degraded=True)
-DRILLS = {d.name: d for d in [
-    Drill("nan", ("nan@step={S},rank={R},steps={K}",), _ROLLBACK),
-    Drill("inf_grad", ("inf@step={S},rank={R},steps={K},into=grad",), _ROLLBACK),
-    Drill("nan_param", ("nan@step={S},rank={R},into=param",), _ROLLBACK),
-    Drill("spike", ("spike@step={S},steps=5",), Expectation(detect=("spike",), recover=("rollback",), compare="skip")),
-    Drill("lr_surge", ("spike@step={S},steps=3,lr=100,data=0",), Expectation(detect=("spike",), recover=("rollback",), compare="skip")),
-    Drill("data_corrupt", ("data_corrupt@step={S}",), Expectation(detect=("bad_batch",), compare="skip")),
-    Drill("oom", ("oom@step={S},rank={R}",), Expectation(detect=("oom",), rtol=1e-5)),
-    Drill("hang", ("hang@step={S},rank={R}",), Expectation(detect=("hang",), recover=("restart",))),
-    Drill("deadlock", ("deadlock@step={S},rank={R}",), Expectation(detect=("hang",), recover=("restart",))),
-    Drill("crash", ("crash@step={S},rank={R}",), _RESTART),
-    Drill("segfault", ("segfault@step={S},rank={R}",), _RESTART),
-    # A corrupt checkpoint only matters when it is read: the crash right after it makes the restart read it.
-    Drill("ckpt_corrupt", ("ckpt_corrupt@step={S}", "crash@step={S},rank={R}"),
-          Expectation(detect=("checkpoint_corrupt",), recover=("restart",))),
-    Drill("straggler", ("straggler@step={S},rank={R},steps=1000,ms={MS}",), _SLOW, min_stage_ranks=2),
-    Drill("slow_comm", ("slow_comm@step={S},rank={R},steps=1000,ms={MS}",), _SLOW, min_stage_ranks=2),
-]}
+DRILLS = {
+    d.name: d
+    for d in [
+        Drill("nan", ("nan@step={S},rank={R},steps={K}",), _ROLLBACK),
+        Drill("inf_grad", ("inf@step={S},rank={R},steps={K},into=grad",), _ROLLBACK),
+        Drill("nan_param", ("nan@step={S},rank={R},into=param",), _ROLLBACK),
+        Drill("spike", ("spike@step={S},steps=5",), Expectation(detect=("spike",), recover=("rollback",), compare="skip")),
+        Drill("lr_surge", ("spike@step={S},steps=3,lr=100,data=0",), Expectation(detect=("spike",), recover=("rollback",), compare="skip")),
+        Drill("data_corrupt", ("data_corrupt@step={S}",), Expectation(detect=("bad_batch",), compare="skip")),
+        Drill("oom", ("oom@step={S},rank={R}",), Expectation(detect=("oom",), rtol=1e-5)),
+        Drill("hang", ("hang@step={S},rank={R}",), Expectation(detect=("hang",), recover=("restart",))),
+        Drill("deadlock", ("deadlock@step={S},rank={R}",), Expectation(detect=("hang",), recover=("restart",))),
+        Drill("crash", ("crash@step={S},rank={R}",), _RESTART),
+        Drill("segfault", ("segfault@step={S},rank={R}",), _RESTART),
+        # A corrupt checkpoint only matters when it is read: the crash right after it makes the restart read it.
+        Drill(
+            "ckpt_corrupt",
+            ("ckpt_corrupt@step={S}", "crash@step={S},rank={R}"),
+            Expectation(detect=("checkpoint_corrupt",), recover=("restart",)),
+        ),
+        Drill("straggler", ("straggler@step={S},rank={R},steps=1000,ms={MS}",), _SLOW, min_stage_ranks=2),
+        Drill("slow_comm", ("slow_comm@step={S},rank={R},steps=1000,ms={MS}",), _SLOW, min_stage_ranks=2),
+    ]
+}
 SUITES = {
     "standard": ["nan", "spike", "oom", "hang", "crash", "ckpt_corrupt", "straggler", "slow_comm"],
     "full": list(DRILLS),
 }
 # What a fault given as a spec (--faults "hang@step=30,rank=1") must cause: the same as its drill.
-_BY_KIND = {"nan": "nan", "inf": "nan", "spike": "spike", "data_corrupt": "data_corrupt", "oom": "oom", "hang": "hang",
-            "deadlock": "deadlock", "crash": "crash", "segfault": "segfault", "straggler": "straggler",
-            "slow_comm": "slow_comm", "ckpt_corrupt": "ckpt_corrupt"}
+_BY_KIND = {
+    "nan": "nan",
+    "inf": "nan",
+    "spike": "spike",
+    "data_corrupt": "data_corrupt",
+    "oom": "oom",
+    "hang": "hang",
+    "deadlock": "deadlock",
+    "crash": "crash",
+    "segfault": "segfault",
+    "straggler": "straggler",
+    "slow_comm": "slow_comm",
+    "ckpt_corrupt": "ckpt_corrupt",
+}
 assert set(_BY_KIND) == set(KINDS)
 
 
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: --fault (a `keel train` flag) must not be taken for --faults or --fault-step.
     p = argparse.ArgumentParser(
-        prog="keel drill", allow_abbrev=False,
+        prog="keel drill",
+        allow_abbrev=False,
         description="Run a short copy of a job once without faults and once per fault; report detection, recovery and loss. "
-                    "Every other flag and --section.key=value is the job's, as for `keel train`.",
+        "Every other flag and --section.key=value is the job's, as for `keel train`.",
         epilog="Example: keel drill --config job.toml --pp 2 --dp 2 --tp 2 --suite standard",
     )
     p.add_argument("--suite", choices=sorted(SUITES), default="standard", help="which drills (default: standard)")
-    p.add_argument("--faults", help=f"instead of a suite: drill names and/or fault specs separated by ';' "
-                   f"(e.g. 'hang;nan@step=30,rank=1'), or a TOML file with faults = [...]. Drills: {', '.join(DRILLS)}")
+    p.add_argument(
+        "--faults",
+        help=f"instead of a suite: drill names and/or fault specs separated by ';' "
+        f"(e.g. 'hang;nan@step=30,rank=1'), or a TOML file with faults = [...]. Drills: {', '.join(DRILLS)}",
+    )
     p.add_argument("--drill-steps", type=int, help="length of each run (default: spike.warmup_steps + 30)")
     p.add_argument("--fault-step", type=int, help="the step the faults hit (default: spike.warmup_steps + 10)")
     p.add_argument("--fault-rank", type=int, help="the rank the faults hit (default: the last rank)")
     p.add_argument("--checkpoint-every", type=int, default=5, help="checkpoint interval of the drill runs, in steps (default 5)")
     p.add_argument("--watchdog-floor", type=float, default=5.0, help="watchdog.floor_s of the drill runs (default 5 s)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take before it counts as failed (default 900)")
-    p.add_argument("--jobs", type=int, default=1, help="runs at once (default 1); more only when the machine holds the job several "
-                   "times over, e.g. a 1-process CPU job on a multi-core box")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at once (default 1); more only when the machine holds the job several "
+        "times over, e.g. a 1-process CPU job on a multi-core box",
+    )
     return p
 
 
@@ -125,13 +153,17 @@ def parse_drill_args(argv: list[str]) -> tuple[DrillSetup, list[Drill]]:
     if not 0 <= fault_rank < cfg.world_size:
         raise ConfigError(f"--fault-rank={fault_rank}: the job has ranks 0..{cfg.world_size - 1}")
     if opts.checkpoint_every < 1 or opts.checkpoint_every >= fault_step:
-        raise ConfigError(f"--checkpoint-every={opts.checkpoint_every}: must be at least 1 and below the fault step {fault_step}, "
-                          "so that a checkpoint exists to recover from")
+        raise ConfigError(
+            f"--checkpoint-every={opts.checkpoint_every}: must be at least 1 and below the fault step {fault_step}, "
+            "so that a checkpoint exists to recover from"
+        )
     resolve_run_dir(cfg)
-    folder = Path(cfg.run.run_dir) / "drills" / ("drill-" + time.strftime("%Y%m%d-%H%M%S"))
+    folder = Path(cfg.run.run_dir) / DRILL_DIR / ("drill-" + time.strftime("%Y%m%d-%H%M%S"))
     if opts.jobs < 1:
         raise ConfigError(f"--jobs={opts.jobs}: must be at least 1")
-    setup = DrillSetup(cfg, job_argv, steps, fault_step, fault_rank, opts.checkpoint_every, opts.watchdog_floor, opts.timeout, opts.jobs, folder)
+    setup = DrillSetup(
+        cfg, job_argv, steps, fault_step, fault_rank, opts.checkpoint_every, opts.watchdog_floor, opts.timeout, opts.jobs, folder
+    )
     return setup, select_drills(opts.suite, opts.faults, cfg.recovery.nonfinite_limit)
 
 
@@ -191,7 +223,10 @@ class Progress:
         start = time.monotonic()
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
         timed_out = False
-        with open(log_path, "w") as log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True) as proc:
+        with (
+            open(log_path, "w") as log,
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True) as proc,
+        ):
             while proc.poll() is None:
                 if time.monotonic() - start > timeout:
                     os.killpg(proc.pid, signal.SIGKILL)  # the run's whole process tree: torchrun and its workers
@@ -215,17 +250,36 @@ class DrillRunner:
     def train(self, name: str, extra: list[str]) -> tuple[Path, int]:
         s = self.setup
         run_dir = s.folder / "runs" / name
-        cmd = [sys.executable, "-m", "keel.cli", "train", *s.job_argv, "--run-dir", str(run_dir), "--steps", str(s.steps),
-               f"--checkpoint.interval_steps={s.checkpoint_every}", f"--watchdog.floor_s={s.watchdog_floor}",
-               "--monitor.prometheus=false", "--monitor.wandb=false",
-               "--monitor.webhook_url=", "--chaos.faults=", "--chaos.mtbf_steps=0", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "keel.cli",
+            "train",
+            *s.job_argv,
+            "--run-dir",
+            str(run_dir),
+            "--steps",
+            str(s.steps),
+            f"--checkpoint.interval_steps={s.checkpoint_every}",
+            f"--watchdog.floor_s={s.watchdog_floor}",
+            "--monitor.prometheus=false",
+            "--monitor.wandb=false",
+            "--monitor.webhook_url=",
+            "--chaos.faults=",
+            "--chaos.mtbf_steps=0",
+            *extra,
+        ]
         code = self.progress.run(name, cmd, s.folder / "runs" / f"{name}.log", s.timeout)
         return run_dir, code
 
 
 def expand(drill: Drill, setup: DrillSetup, step_time_s: float) -> list[str]:
-    values = {"S": setup.fault_step, "R": setup.fault_rank, "K": setup.cfg.recovery.nonfinite_limit,
-              "MS": max(50, round(2000 * step_time_s))}  # twice a step: a slowdown the straggler score must see
+    values = {
+        "S": setup.fault_step,
+        "R": setup.fault_rank,
+        "K": setup.cfg.recovery.nonfinite_limit,
+        "MS": max(50, round(2000 * step_time_s)),
+    }  # twice a step: a slowdown the straggler score must see
     return [t.format(**values) for t in drill.faults]
 
 
@@ -233,8 +287,10 @@ def applicable(drill: Drill, cfg: JobConfig) -> str | None:
     """Why a drill cannot run at this layout, or None."""
     stage_ranks = cfg.parallel.dp * cfg.parallel.tp
     if stage_ranks < drill.min_stage_ranks:
-        return (f"needs {drill.min_stage_ranks} ranks per pipeline stage to compare a slow rank with its peers; "
-                f"this layout has {stage_ranks} (dp*tp)")
+        return (
+            f"needs {drill.min_stage_ranks} ranks per pipeline stage to compare a slow rank with its peers; "
+            f"this layout has {stage_ranks} (dp*tp)"
+        )
     return None
 
 
@@ -248,15 +304,22 @@ def run_drills(setup: DrillSetup, drills: list[Drill]) -> list[DrillResult]:
     if code != 0:
         raise RuntimeError(f"the fault-free reference run failed (exit {code}); see {setup.folder / 'runs' / 'reference.log'}")
     ref_steps = read_steps(reference, effective=True)
-    step_time = float(ref_steps.step_time_s.iloc[len(ref_steps) // 2:].median())
+    step_time = float(ref_steps.step_time_s.iloc[len(ref_steps) // 2 :].median())
     plans = {d.name: (d, expand(d, setup, step_time), applicable(d, setup.cfg)) for d in drills}
     runnable = [(d, specs) for d, specs, why_not in plans.values() if why_not is None]
     runner.progress.total -= len(drills) - len(runnable)
     with ThreadPoolExecutor(setup.jobs) as pool:
-        runs = dict(zip([d.name for d, _ in runnable],
-                        pool.map(lambda x: runner.train(x[0].name, x[0].train_args + [f"--fault={s}" for s in x[1]]), runnable)))
-        skips = {name: tuple(skipped_batches(read_events(run_dir))) for name, (run_dir, _) in runs.items()
-                 if plans[name][0].expect.compare == "skip" and (run_dir / "run.sqlite").exists()}
+        runs = dict(
+            zip(
+                [d.name for d, _ in runnable],
+                pool.map(lambda x: runner.train(x[0].name, x[0].train_args + [f"--fault={s}" for s in x[1]]), runnable),
+            )
+        )
+        skips = {
+            name: tuple(skipped_batches(read_events(run_dir)))
+            for name, (run_dir, _) in runs.items()
+            if plans[name][0].expect.compare == "skip" and (run_dir / STORE_FILE).exists()
+        }
         wanted = sorted({s for s in skips.values() if s})
         runner.progress.total += len(wanted)
         names = [f"reference-skip-{i + 1}" for i in range(len(wanted))]
@@ -282,19 +345,22 @@ def main(argv: list[str]) -> int:
         setup, drills = parse_drill_args(argv)
     except ConfigError as e:
         print(f"keel drill: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     cfg = setup.cfg
-    print(f"keel drill: {len(drills)} drills at pp{cfg.parallel.pp} dp{cfg.parallel.dp} tp{cfg.parallel.tp}, "
-          f"{setup.steps} steps each, faults at step {setup.fault_step} on rank {setup.fault_rank}; in {setup.folder}", flush=True)
+    print(
+        f"keel drill: {len(drills)} drills at pp{cfg.parallel.pp} dp{cfg.parallel.dp} tp{cfg.parallel.tp}, "
+        f"{setup.steps} steps each, faults at step {setup.fault_step} on rank {setup.fault_rank}; in {setup.folder}",
+        flush=True,
+    )
     try:
         results = run_drills(setup, drills)
     except RuntimeError as e:
         print(f"keel drill: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     paths = write_report(setup, results)
     print(paths["table"], flush=True)
     print(f"report: {paths['md']}  (also {paths['json'].name}, {paths['png'].name})", flush=True)
-    return 0 if all(r.status != "fail" for r in results) else 1
+    return EXIT_OK if all(r.status != "fail" for r in results) else EXIT_FAILED
 
 
 if __name__ == "__main__":

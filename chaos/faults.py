@@ -1,9 +1,7 @@
-"""Fault injectors: the faults a drill (or a person) puts into a run, and the hooks the trainer calls.
+"""Fault injectors: the hooks the trainer calls to put a drill's (or a person's) faults into a run.
 
-A fault is written KIND@step=S[,rank=R][,steps=K][,FIELD=VALUE...] (see KINDS and FIELDS), on the
-command line (`--fault nan@step=40,rank=1`), in the config (`chaos.faults`), drawn at random with a
-mean time between faults (`chaos.mtbf_steps`), or requested while the run goes (`keel inject`, which
-leaves a request in RUN_DIR/control/faults/). Rank defaults to every rank. Injectors act only through
+The faults and how they are written are in keel.chaos.fault_specs. A plan also takes the requests
+`keel inject` leaves in RUN_DIR/control/faults/ while the run goes. Injectors act only through
 the hooks the trainer offers (the loss, the gradients, the parameters, the batch, the LR, the step
 start, the trainer's own collectives); they patch nothing in torch.
 
@@ -20,115 +18,22 @@ from __future__ import annotations
 
 import ctypes
 import json
-import math
 import os
 import re
 import signal
 import threading
 import time
-from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 
-KINDS = {
-    "nan": "NaN into the loss, a gradient or a parameter (into=loss|grad|param) at steps S..S+K-1",
-    "inf": "Inf into the loss, a gradient or a parameter (into=loss|grad|param) at steps S..S+K-1",
-    "spike": "a real loss spike: the batches of steps S..S+K-1 replaced by random bytes (data=1) and/or the LR times lr=F",
-    "data_corrupt": "token ids out of the vocabulary in the batches of steps S..S+K-1 (a damaged data file)",
-    "oom": "torch.OutOfMemoryError at the start of step S (real=1 on a GPU: a real over-allocation)",
-    "hang": "the rank sleeps `seconds` before the step's first collective, while the others wait inside it",
-    "deadlock": "a thread of the rank holds the GIL for `seconds`: no Python thread of the process runs",
-    "crash": "the rank is killed (SIGKILL) at the start of step S",
-    "segfault": "the rank reads address 0 (SIGSEGV) at the start of step S",
-    "straggler": "the rank sleeps `ms` at the start of each of steps S..S+K-1",
-    "slow_comm": "the rank waits `ms` before each collective the trainer issues, at steps S..S+K-1",
-    "ckpt_corrupt": "bytes flipped in a shard of the newest complete checkpoint, at the start of step S (by rank 0)",
-}
-# Which fields each kind takes besides step and steps.
-_KIND_FIELDS = {
-    "nan": ("rank", "into"), "inf": ("rank", "into"), "spike": ("lr", "data"), "data_corrupt": (),
-    "oom": ("rank", "real"), "hang": ("rank", "seconds"), "deadlock": ("rank", "seconds"), "crash": ("rank",),
-    "segfault": ("rank",), "straggler": ("rank", "ms"), "slow_comm": ("rank", "ms"), "ckpt_corrupt": (),
-}
+from keel.chaos.fault_specs import Fault, parse_fault
+from keel.monitor.run_dir import CHAOS_DIR, FAULT_REQUEST_DIR, INJECTED_FILE, MANIFEST, list_checkpoints
+
 NONFINITE = {"nan": float("nan"), "inf": float("inf")}
-TARGETS = ("loss", "grad", "param")
 # Faults tied to a machine: no fire-once marker (see the module docstring; data faults never look one up).
 _PERSISTENT = ("data_corrupt", "straggler", "slow_comm")
-
-
-@dataclass(frozen=True)
-class Fault:
-    kind: str
-    step: int
-    rank: int | None = None  # None: every rank
-    steps: int = 1  # how many consecutive steps it hits, from `step`
-    seconds: int = 3600  # hang, deadlock: how long the rank is stuck
-    ms: int = 200  # straggler, slow_comm: the delay
-    into: str = "loss"  # nan, inf: loss | grad | param
-    lr: float = 0.0  # spike: multiply the LR by this (0: no LR surge)
-    data: int = 1  # spike: 1 replaces the batches with random bytes, 0 leaves them
-    real: int = 0  # oom: 1 allocates more than the GPU holds instead of raising
-
-    def __str__(self) -> str:
-        """The canonical spec: parse_fault(str(f)) == f."""
-        default = Fault(self.kind, self.step)
-        extra = [f"{f.name}={getattr(self, f.name):g}" if f.name == "lr" else f"{f.name}={getattr(self, f.name)}"
-                 for f in fields(self) if f.name not in ("kind", "step") and getattr(self, f.name) != getattr(default, f.name)]
-        return f"{self.kind}@" + ",".join([f"step={self.step}", *extra])
-
-    def hits(self, step: int, rank: int) -> bool:
-        return self.step <= step < self.step + self.steps and self.rank in (None, rank)
-
-
-FIELDS = tuple(f.name for f in fields(Fault) if f.name != "kind")
-_SPEC_HELP = "write KIND@step=S[,rank=R][,steps=K][,FIELD=VALUE]"
-
-
-def parse_fault(spec: str, default_step: int | None = None) -> Fault:
-    """'nan@step=40,rank=1' -> Fault("nan", 40, 1). Raises ValueError, one line naming the problem and the fix."""
-    kind, _, where = spec.strip().partition("@")
-    if kind not in KINDS:
-        raise ValueError(f"chaos.faults: unknown fault '{kind}' in '{spec}'; choose one of {list(KINDS)}")
-    values: dict = {}
-    for part in filter(None, where.split(",")):
-        key, _, value = part.partition("=")
-        if key not in FIELDS:
-            raise ValueError(f"chaos.faults: unknown field '{key}' in '{spec}'; {_SPEC_HELP}")
-        if key not in ("step", "steps") and key not in _KIND_FIELDS[kind]:
-            takes = ", ".join(["step", "steps", *_KIND_FIELDS[kind]])
-            raise ValueError(f"chaos.faults: '{key}' does not apply to {kind} in '{spec}'; {kind} takes {takes}")
-        try:
-            values[key] = value if key == "into" else float(value) if key == "lr" else int(value)
-        except ValueError:
-            raise ValueError(f"chaos.faults: bad value in '{part}' of '{spec}'; {key} is a number") from None
-    if "step" not in values and default_step is None:
-        raise ValueError(f"chaos.faults: '{spec}' has no step; {_SPEC_HELP}")
-    values.setdefault("step", default_step)
-    fault = Fault(kind, **values)
-    if fault.step < 1 or fault.steps < 1 or (fault.rank is not None and fault.rank < 0):
-        raise ValueError(f"chaos.faults: '{spec}': step and steps start at 1, rank at 0")
-    if fault.into not in TARGETS:
-        raise ValueError(f"chaos.faults: into={fault.into} in '{spec}'; choose one of {list(TARGETS)}")
-    if kind == "spike" and not (fault.data or fault.lr > 0):
-        raise ValueError(f"chaos.faults: '{spec}' injects nothing; keep data=1 or give lr=F (an LR surge)")
-    if fault.real and not torch.cuda.is_available():
-        raise ValueError(f"chaos.faults: '{spec}': real=1 over-allocates GPU memory and there is no GPU; drop real=1")
-    return fault
-
-
-def random_faults(mtbf_steps: float, kinds: list[str], steps: int, world: int, seed: int) -> list[Fault]:
-    """Faults at exponentially distributed intervals (mean `mtbf_steps`), each of a kind drawn from
-    `kinds` on a rank drawn from the world. The same on every rank (seeded)."""
-    rng, out, t = np.random.default_rng(seed), [], 0.0
-    while True:
-        t += rng.exponential(mtbf_steps)
-        if math.ceil(t) > steps:
-            return out
-        kind = kinds[int(rng.integers(len(kinds)))]
-        rank = int(rng.integers(world))
-        out.append(parse_fault(f"{kind}@step={math.ceil(t)}" + (f",rank={rank}" if "rank" in _KIND_FIELDS[kind] else "")))
 
 
 class FaultPlan:
@@ -154,7 +59,7 @@ class FaultPlan:
 
     def _take_requests(self) -> None:
         """Faults asked for by `keel inject` while the run goes; a request for a step already past fires now."""
-        folder = self.run_dir / "control" / "faults" if self.run_dir else None
+        folder = self.run_dir / FAULT_REQUEST_DIR if self.run_dir else None
         if folder is None or not folder.is_dir():
             return
         for path in sorted(folder.glob("*.json")):
@@ -166,7 +71,7 @@ class FaultPlan:
 
     def _marker(self, fault: Fault) -> Path | None:
         name = re.sub(r"[^A-Za-z0-9_.=,@-]", "_", f"fired-{fault}-at{self.step}-rank{self.rank}")
-        return self.run_dir / "chaos" / name if self.run_dir else None
+        return self.run_dir / CHAOS_DIR / name if self.run_dir else None
 
     def _due(self, *kinds: str) -> list[Fault]:
         """Faults of these kinds that hit this rank at this step and have not fired at it yet."""
@@ -186,17 +91,17 @@ class FaultPlan:
             self.fired.append(fault)
         if marker and fault.kind not in _PERSISTENT and self.run_dir is not None and fault not in self._marked_now:
             self._marked_now.add(fault)
-            (self.run_dir / "chaos").mkdir(parents=True, exist_ok=True)
+            (self.run_dir / CHAOS_DIR).mkdir(parents=True, exist_ok=True)
             self._marker(fault).write_text(f"{time.time()}\n")
         if (fault, self.step) in self._logged:
             return
         self._logged.add((fault, self.step))
         if self.run_dir is None:
             return
-        folder = self.run_dir / "chaos"
+        folder = self.run_dir / CHAOS_DIR
         folder.mkdir(parents=True, exist_ok=True)
         line = {"fault": str(fault), "kind": fault.kind, "rank": self.rank, "step": self.step, "time": time.time(), "detail": detail}
-        with open(folder / "injected.jsonl", "a") as f:
+        with open(folder / INJECTED_FILE, "a") as f:
             f.write(json.dumps(line) + "\n")
             f.flush()
             os.fsync(f.fileno())  # written before a crash or segfault takes the process
@@ -227,7 +132,7 @@ class FaultPlan:
                 _scale_first_tensor([p for part in parts for p in part.parameters()], NONFINITE[fault.kind])
         for fault in self._due("ckpt_corrupt"):
             if self.rank == 0:
-                self._fire(fault, _flip_newest_checkpoint(self.run_dir / "checkpoints"))
+                self._fire(fault, _flip_newest_checkpoint(self.run_dir))
             self._spend(fault)
         for fault in self._due("oom", "crash", "segfault", "hang", "deadlock"):
             self._fire(fault)
@@ -306,15 +211,16 @@ def _hold_gil(seconds: int) -> None:
     holder.join()
 
 
-def _flip_newest_checkpoint(folder: Path) -> str:
+def _flip_newest_checkpoint(run_dir: Path) -> str:
     """Flips 16 bytes in the middle of the largest shard of the newest complete checkpoint."""
-    done = sorted(p for p in folder.glob("step-*") if re.fullmatch(r"step-\d+", p.name)) if folder.is_dir() else []
+    done = list_checkpoints(run_dir)
     if not done:
         return "no complete checkpoint to corrupt"
-    shard = max((p for p in done[-1].iterdir() if p.name != "manifest.json"), key=lambda p: p.stat().st_size)
+    newest = done[-1][1]
+    shard = max((p for p in newest.iterdir() if p.name != MANIFEST), key=lambda p: p.stat().st_size)
     with open(shard, "r+b") as f:
         f.seek(shard.stat().st_size // 2)
         chunk = f.read(16)
         f.seek(-len(chunk), os.SEEK_CUR)
         f.write(bytes(b ^ 0xFF for b in chunk))
-    return f"flipped {len(chunk)} bytes of {done[-1].name}/{shard.name}"
+    return f"flipped {len(chunk)} bytes of {newest.name}/{shard.name}"

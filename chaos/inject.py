@@ -16,13 +16,18 @@ import sys
 import time
 from pathlib import Path
 
-from keel.chaos.faults import KINDS, parse_fault
-from keel.monitor.store import STORE_FILE, read_events, read_meta, read_steps
+from keel.chaos.fault_specs import KINDS, parse_fault
+from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
+from keel.monitor.run_dir import FAULT_REQUEST_DIR, STORE_FILE
+from keel.monitor.store import read_events, read_meta, read_steps
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="keel inject", description="Ask a running `keel train` to inject a fault at its next step.",
-                                epilog="Example: keel inject runs/my-run nan --rank 1   |   keel inject runs/my-run 'hang@seconds=30' --step 120")
+    p = argparse.ArgumentParser(
+        prog="keel inject",
+        description="Ask a running `keel train` to inject a fault at its next step.",
+        epilog="Example: keel inject runs/my-run nan --rank 1   |   keel inject runs/my-run 'hang@seconds=30' --step 120",
+    )
     p.add_argument("run_dir", help="the run directory of a running job")
     p.add_argument("fault", help=f"a kind ({', '.join(KINDS)}), optionally with fields: KIND@FIELD=VALUE,...")
     p.add_argument("--rank", type=int, help="the rank to hit (default: every rank)")
@@ -50,7 +55,7 @@ def request(run_dir: str | Path, fault: str, rank: int | None = None, step: int 
     kind, _, fields = fault.partition("@")
     parts = [f"step={step}"] + ([f"rank={rank}"] if rank is not None else []) + [f for f in fields.split(",") if f]
     spec = str(parse_fault(f"{kind}@{','.join(parts)}"))  # the same checks as --fault
-    folder = run_dir / "control" / "faults"
+    folder = run_dir / FAULT_REQUEST_DIR
     folder.mkdir(parents=True, exist_ok=True)
     name = f"{time.time_ns()}-{os.getpid()}"
     tmp = folder / f"{name}.tmp"
@@ -65,9 +70,9 @@ def main(argv: list[str]) -> int:
         spec = request(opts.run_dir, opts.fault, opts.rank, opts.step)
     except ValueError as e:
         print(f"keel inject: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     print(f"keel inject: requested {spec} in {opts.run_dir}; the trainer takes it at the start of its next step")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from keel.trainer.config import ConfigError, JobConfig, check_run_dir
 from keel.trainer.data import open_tokens
-from keel.trainer.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from keel.trainer.launch import parse_train_args, resolve_run_dir, torchrun_command, worker_env
 
 RESULTS_FILE = "preflight.json"
@@ -46,19 +46,35 @@ class Check:
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: an abbreviation must never capture one of `keel train`'s flags (--m... is --max-restarts there).
     p = argparse.ArgumentParser(
-        prog="keel preflight", allow_abbrev=False,
+        prog="keel preflight",
+        allow_abbrev=False,
         description="Check ranks, links, checkpoint disk, memory and a tiny overfit before a long job. Takes every "
-                    "`keel train` flag and --section.key=value override as well (see `keel train --help`).",
+        "`keel train` flag and --section.key=value override as well (see `keel train --help`).",
         epilog="Example: keel preflight --config small --pp 2 --dp 4 --run-dir runs/big   (exit 0: all passed, 1: a check failed, 2: bad input)",
     )
-    p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds for all ranks to join, and for any collective to complete (default 120)")
-    p.add_argument("--overfit-steps", dest="overfit_steps", type=int, default=30,
-                   help="steps on one repeated batch; passes when the last loss is below half the first (default 30)")
-    p.add_argument("--min-bandwidth-gbps", dest="min_bandwidth_gbps", type=float, default=0.0,
-                   help="fail a mesh dim whose all-reduce bus bandwidth is below this many GB/s (default 0: no minimum)")
-    p.add_argument("--memory-limit-bytes", dest="memory_limit_bytes", type=int,
-                   help="compare the job's memory estimate with this many bytes per rank instead of the measured free memory")
+    p.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds for all ranks to join, and for any collective to complete (default 120)"
+    )
+    p.add_argument(
+        "--overfit-steps",
+        dest="overfit_steps",
+        type=int,
+        default=30,
+        help="steps on one repeated batch; passes when the last loss is below half the first (default 30)",
+    )
+    p.add_argument(
+        "--min-bandwidth-gbps",
+        dest="min_bandwidth_gbps",
+        type=float,
+        default=0.0,
+        help="fail a mesh dim whose all-reduce bus bandwidth is below this many GB/s (default 0: no minimum)",
+    )
+    p.add_argument(
+        "--memory-limit-bytes",
+        dest="memory_limit_bytes",
+        type=int,
+        help="compare the job's memory estimate with this many bytes per rank instead of the measured free memory",
+    )
     p.add_argument("--results", help=argparse.SUPPRESS)  # set by the launcher: where the workers write their rows
     return p
 
@@ -102,8 +118,11 @@ def main(argv: list[str]) -> int:
     results_dir = Path(tempfile.mkdtemp(prefix="keel-preflight-"))  # the workers' rows, on this node
     cmd.append(f"--results={results_dir / RESULTS_FILE}")
     par = cfg.parallel
-    print(f"keel preflight: {cfg.world_size} processes (pp{par.pp} dp{par.dp} tp{par.tp}); checking ranks, links, the checkpoint "
-          f"disk under {cfg.run.run_dir}, memory, and an overfit of {opts.overfit_steps} steps", flush=True)
+    print(
+        f"keel preflight: {cfg.world_size} processes (pp{par.pp} dp{par.dp} tp{par.tp}); checking ranks, links, the checkpoint "
+        f"disk under {cfg.run.run_dir}, memory, and an overfit of {opts.overfit_steps} steps",
+        flush=True,
+    )
     try:
         checks = read_results(results_dir / RESULTS_FILE, subprocess.call(cmd, env=worker_env(cfg, train_opts, Path(cfg.run.run_dir))))
     except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the workers
@@ -114,8 +133,10 @@ def main(argv: list[str]) -> int:
     failed = [c.name for c in checks if c.result == "fail"]
     skipped = [c.name for c in checks if c.result == "skip"]
     if failed or skipped:
-        print(f"keel preflight: {len(failed)} of {len(checks)} checks failed: {', '.join(failed)}"
-              + (f" (not run: {', '.join(skipped)})" if skipped else ""))
+        print(
+            f"keel preflight: {len(failed)} of {len(checks)} checks failed: {', '.join(failed)}"
+            + (f" (not run: {', '.join(skipped)})" if skipped else "")
+        )
     else:
         print(f"keel preflight: all {len(checks)} checks passed")
     if keep_results and train_opts.node_rank in (None, 0):  # one writer, when the run dir is shared between nodes
@@ -133,10 +154,18 @@ def read_results(path: Path, torchrun_code: int) -> list[Check]:
         results = {"complete": False, "checks": []}
     checks = [Check(**c) for c in results["checks"]]
     if not results["complete"]:
-        stage = f"after the '{checks[-1].name}' check" if checks else "before any rank reported (the rendezvous or a worker's start-up failed)"
+        stage = (
+            f"after the '{checks[-1].name}' check" if checks else "before any rank reported (the rendezvous or a worker's start-up failed)"
+        )
         name = "workers" if checks else "ranks reachable"
-        checks.append(Check(name, "fail", f"torchrun exited with code {torchrun_code} {stage}; see its messages above",
-                            {"torchrun_exit_code": torchrun_code}))
+        checks.append(
+            Check(
+                name,
+                "fail",
+                f"torchrun exited with code {torchrun_code} {stage}; see its messages above",
+                {"torchrun_exit_code": torchrun_code},
+            )
+        )
     return checks
 
 
@@ -149,7 +178,8 @@ def format_table(checks: list[Check]) -> str:
 def write_report(path: Path, cfg: JobConfig, checks: list[Check]) -> None:
     par = cfg.parallel
     report = {
-        "time": time.time(), "passed": all(c.passed for c in checks),
+        "time": time.time(),
+        "passed": all(c.passed for c in checks),
         "layout": {"pp": par.pp, "dp": par.dp, "tp": par.tp, "dp_mode": par.dp_mode, "pp_schedule": par.pp_schedule},
         "checks": [asdict(c) for c in checks],
     }

@@ -4,7 +4,7 @@ Every check gathers its per-rank numbers to all ranks and decides from them, so 
 same verdicts (one rank deciding alone would leave the others waiting in the next collective), and
 the local rank 0 of each node writes the rows for its launcher after every check: a worker that dies
 mid-way still leaves the rows before it. The model, the pipeline schedule, the optimizer and the step
-are the trainer's own (keel.trainer.parallel, optim, train.forward_backward), at the job's layout.
+are the trainer's own (keel.trainer.parallel, optim, step.forward_backward), at the job's layout.
 """
 
 from __future__ import annotations
@@ -26,15 +26,17 @@ import torch
 import torch.distributed as dist
 
 from keel.chaos.preflight import Check, parse_preflight_args
+from keel.monitor.exits import EXIT_FAILED, EXIT_OK
+from keel.monitor.run_dir import CHECKPOINT_DIR
 from keel.trainer import parallel
-from keel.trainer.checkpoint import CHECKPOINT_DIR
 from keel.trainer.config import JobConfig
 from keel.trainer.data import BatchSampler, open_tokens
+from keel.trainer.distributed import init_distributed
 from keel.trainer.launch import parse_train_args
-from keel.trainer.model import count_params, model_args
+from keel.trainer.model_args import count_params, model_args
 from keel.trainer.optim import build_optimizer, clip_grads
+from keel.trainer.step import forward_backward
 from keel.trainer.step_metrics import gather_rows
-from keel.trainer.train import forward_backward, init_distributed
 
 BANDWIDTH_BYTES = 8 * 2**20  # big enough that the time is the link's, not the call's overhead
 BANDWIDTH_WARMUP, BANDWIDTH_ITERS, LATENCY_ITERS = 2, 5, 20
@@ -87,6 +89,7 @@ def _device_name(device: torch.device) -> str:
 
 # --- a. every rank reachable ---------------------------------------------------------------------
 
+
 def wait_for_ranks(rank: int, world: int, timeout_s: float) -> list[int]:
     """The ranks that did not announce themselves within `timeout_s`, on rank 0 ([] elsewhere). Each rank
     sets a key in torchrun's store before joining the process group, so a rank that never gets there
@@ -105,9 +108,12 @@ def wait_for_ranks(rank: int, world: int, timeout_s: float) -> list[int]:
 
 
 def missing_ranks_check(missing: list[int], world: int, timeout_s: float) -> Check:
-    return Check("ranks reachable", "fail",
-                 f"rank(s) {missing} did not start within {timeout_s:g} s (--timeout); {world - len(missing)} of {world} did",
-                 {"missing": missing})
+    return Check(
+        "ranks reachable",
+        "fail",
+        f"rank(s) {missing} did not start within {timeout_s:g} s (--timeout); {world - len(missing)} of {world} did",
+        {"missing": missing},
+    )
 
 
 def reachable(device: torch.device, rank: int, world: int, started: float) -> Check:
@@ -117,11 +123,16 @@ def reachable(device: torch.device, rank: int, world: int, started: float) -> Ch
     hosts = Counter((r["host"], r["device"]) for r in ranks)
     where = ", ".join(f"{host} ({n}x {dev})" for (host, dev), n in hosts.items())
     wait_s = max(r["wait_s"] for r in ranks)  # the rank that started first waited for the last one
-    return Check("ranks reachable", "pass", f"{len(ranks)}/{world} ranks in the group within {wait_s:.1f} s of starting: {where}",
-                 {"ranks": ranks, "wait_s": wait_s})
+    return Check(
+        "ranks reachable",
+        "pass",
+        f"{len(ranks)}/{world} ranks in the group within {wait_s:.1f} s of starting: {where}",
+        {"ranks": ranks, "wait_s": wait_s},
+    )
 
 
 # --- b. collective bandwidth per mesh dim ----------------------------------------------------------
+
 
 def _seconds_per_call(fn, iters: int, device: torch.device) -> float:
     if device.type == "cuda":
@@ -151,11 +162,16 @@ def bandwidth(dim: str, layout: parallel.Layout, device: torch.device, world: in
     ok = bus_gbps >= min_gbps
     floor = f" (minimum {min_gbps:g})" if min_gbps > 0 else ""
     detail = f"bus {bus_gbps:.3g} GB/s{floor} (8 MiB all-reduce over {n} ranks), latency {small_s * 1e3:.3g} ms"
-    return Check(f"bandwidth {dim}", "pass" if ok else "fail", detail,
-                 {"ranks": n, "bytes": BANDWIDTH_BYTES, "bus_gbps": bus_gbps, "seconds": big_s, "latency_s": small_s})
+    return Check(
+        f"bandwidth {dim}",
+        "pass" if ok else "fail",
+        detail,
+        {"ranks": n, "bytes": BANDWIDTH_BYTES, "bus_gbps": bus_gbps, "seconds": big_s, "latency_s": small_s},
+    )
 
 
 # --- c. checkpoint disk ----------------------------------------------------------------------------
+
 
 def disk_speed(folder: Path) -> dict:
     """Writes DISK_BYTES into `folder` with an fsync, reads them back from the disk (not the page cache)
@@ -185,7 +201,9 @@ def disk_speed(folder: Path) -> dict:
         return {"write_mbps": DISK_BYTES / 1e6 / write_s, "read_mbps": DISK_BYTES / 1e6 / read_s}
     except OSError as e:
         if not probe.is_dir():
-            return {"error": f"'{probe}' is a file, not a directory, so checkpoints cannot be saved in {folder}; move it or pass another --run-dir"}
+            return {
+                "error": f"'{probe}' is a file, not a directory, so checkpoints cannot be saved in {folder}; move it or pass another --run-dir"
+            }
         return {"error": f"cannot write a file in {folder} ({e.strerror}), so checkpoints cannot be saved there; pass another --run-dir"}
     finally:
         with suppress(OSError):  # gone already, or never made (its folder is a file)
@@ -207,11 +225,16 @@ def checkpoint_disk(run_dir: str, world: int, local_rank: int) -> Check:
         return Check("checkpoint disk", "fail", "; ".join(errors), {"nodes": nodes})
     write, read = min(r["write_mbps"] for r in nodes), min(r["read_mbps"] for r in nodes)
     where = f"{len(nodes)} nodes, slowest: " if len(nodes) > 1 else ""
-    return Check("checkpoint disk", "pass", f"{folder}: {where}write {write:.0f} MB/s (fsync), read {read:.0f} MB/s, 64 MiB",
-                 {"folder": str(folder), "nodes": nodes, "write_mbps": write, "read_mbps": read})
+    return Check(
+        "checkpoint disk",
+        "pass",
+        f"{folder}: {where}write {write:.0f} MB/s (fsync), read {read:.0f} MB/s, 64 MiB",
+        {"folder": str(folder), "nodes": nodes, "write_mbps": write, "read_mbps": read},
+    )
 
 
 # --- d. memory -------------------------------------------------------------------------------------
+
 
 def model_state_bytes(cfg: JobConfig) -> int:
     """fp32 parameters, gradients and AdamW's two moments (4+4+8 bytes per parameter) on one rank: split
@@ -256,13 +279,20 @@ def memory(cfg: JobConfig, device: torch.device, world: int, limit: int | None) 
     free, basis = (limit, "--memory-limit-bytes") if limit is not None else free_memory(device)
     lowest = int(gather_rows([float(free)], device, world).min())
     ok = need <= lowest
-    detail = (f"need {_human(need)} per rank (estimate: states {_human(states)} + activations {_human(activations)}), "
-              f"{'free' if ok else 'but only'} {_human(lowest)} ({basis}{', lowest rank' if world > 1 else ''})")
-    return Check("memory", "pass" if ok else "fail", detail,
-                 {"need_bytes": need, "state_bytes": states, "activation_bytes": activations, "free_bytes": lowest, "basis": basis})
+    detail = (
+        f"need {_human(need)} per rank (estimate: states {_human(states)} + activations {_human(activations)}), "
+        f"{'free' if ok else 'but only'} {_human(lowest)} ({basis}{', lowest rank' if world > 1 else ''})"
+    )
+    return Check(
+        "memory",
+        "pass" if ok else "fail",
+        detail,
+        {"need_bytes": need, "state_bytes": states, "activation_bytes": activations, "free_bytes": lowest, "basis": basis},
+    )
 
 
 # --- e. tiny overfit -------------------------------------------------------------------------------
+
 
 def _agreed_loss(loss: torch.Tensor | None, device: torch.device, world: int) -> float:
     """The step's loss on every rank: the mean over the ranks that hold the last pipeline stage."""
@@ -328,10 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         report.add(missing_ranks_check(missing, world, opts.timeout))
         report.finish()
-        return 1  # torchrun then stops the ranks that are waiting for the missing ones
+        return EXIT_FAILED  # torchrun then stops the ranks that are waiting for the missing ones
     run_checks(cfg, opts, local_rank, report, started)
     report.finish()
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from keel.chaos.verdict import DrillResult  # noqa: E402
+from keel.monitor.run_dir import STORE_FILE  # noqa: E402
 from keel.monitor.store import read_steps  # noqa: E402
 
 _COLUMNS = ("drill", "result", "detected", "recovered", "steps lost", "goodput", "loss vs reference")
@@ -26,8 +27,11 @@ _COLUMNS = ("drill", "result", "detected", "recovered", "steps lost", "goodput",
 def _row(r: DrillResult) -> tuple[str, ...]:
     if r.status == "n/a":
         return (r.name, "n/a", "-", "-", "-", "-", r.reasons[0])
-    detected = (f"{r.detected_by} at step {r.detection_step} (+{r.detection_latency_steps} steps, {r.detection_latency_s:.1f} s)"
-                if r.detected else "no")
+    detected = (
+        f"{r.detected_by} at step {r.detection_step} (+{r.detection_latency_steps} steps, {r.detection_latency_s:.1f} s)"
+        if r.detected
+        else "no"
+    )
     if not r.recovered:
         recovered = "no"
     elif r.recovered_step is None:
@@ -57,27 +61,48 @@ def write_report(setup, results: list[DrillResult]) -> dict:
     passed = sum(r.status == "pass" for r in results)
     failed = [r for r in results if r.status == "fail"]
     layout = f"pp{cfg.parallel.pp} dp{cfg.parallel.dp} tp{cfg.parallel.tp}"
-    summary = (f"{passed} passed, {len(failed)} failed, {sum(r.status == 'n/a' for r in results)} not applicable "
-               f"at {layout}")
-    md = [f"# Keel drill {folder.name}", "",
-          f"Job: model {cfg.model.preset}, {layout} ({cfg.world_size} processes), {setup.steps} steps per run, "
-          f"a checkpoint every {setup.checkpoint_every} steps; faults at step {setup.fault_step} on rank {setup.fault_rank}. "
-          f"Reference: `runs/reference`, the same job without faults.", "",
-          f"**{'PASS' if not failed else 'FAIL'}**: {summary}.", "", table(results), ""]
+    summary = f"{passed} passed, {len(failed)} failed, {sum(r.status == 'n/a' for r in results)} not applicable at {layout}"
+    md = [
+        f"# Keel drill {folder.name}",
+        "",
+        f"Job: model {cfg.model.preset}, {layout} ({cfg.world_size} processes), {setup.steps} steps per run, "
+        f"a checkpoint every {setup.checkpoint_every} steps; faults at step {setup.fault_step} on rank {setup.fault_rank}. "
+        f"Reference: `runs/reference`, the same job without faults.",
+        "",
+        f"**{'PASS' if not failed else 'FAIL'}**: {summary}.",
+        "",
+        table(results),
+        "",
+    ]
     if failed:
         md += ["## Why drills failed", ""] + [f"- **{r.name}**: {'; '.join(r.reasons)}" for r in failed] + [""]
-    md += ["## Faults injected", ""] + [f"- **{r.name}**: `{'`, `'.join(r.faults)}`"
-                                        + (f"; skipped batches {r.batches_skipped}" if r.batches_skipped else "") for r in results]
-    md += ["", "Detected: the first event that reports the fault, and its delay after the fault fired. Recovered: the first "
-           "step of the kept trajectory after the recovery. Steps lost: steps computed and thrown away (rolled back or "
-           "lost to a restart) plus steps skipped without an update. Loss: the kept trajectory against the reference, "
-           "or against a reference that skipped the same batches when the recovery skipped data.", "", "![loss per drill](plot.png)", ""]
+    md += ["## Faults injected", ""] + [
+        f"- **{r.name}**: `{'`, `'.join(r.faults)}`" + (f"; skipped batches {r.batches_skipped}" if r.batches_skipped else "")
+        for r in results
+    ]
+    md += [
+        "",
+        "Detected: the first event that reports the fault, and its delay after the fault fired. Recovered: the first "
+        "step of the kept trajectory after the recovery. Steps lost: steps computed and thrown away (rolled back or "
+        "lost to a restart) plus steps skipped without an update. Loss: the kept trajectory against the reference, "
+        "or against a reference that skipped the same batches when the recovery skipped data.",
+        "",
+        "![loss per drill](plot.png)",
+        "",
+    ]
     folder.mkdir(parents=True, exist_ok=True)
     paths = {"md": folder / "report.md", "json": folder / "report.json", "png": folder / "plot.png"}
     paths["md"].write_text("\n".join(md))
-    doc = {"drill_id": folder.name, "passed": not failed, "summary": summary, "layout": {"pp": cfg.parallel.pp, "dp": cfg.parallel.dp, "tp": cfg.parallel.tp},
-           "steps": setup.steps, "fault_step": setup.fault_step, "fault_rank": setup.fault_rank,
-           "results": [_finite(r.to_dict()) for r in results]}
+    doc = {
+        "drill_id": folder.name,
+        "passed": not failed,
+        "summary": summary,
+        "layout": {"pp": cfg.parallel.pp, "dp": cfg.parallel.dp, "tp": cfg.parallel.tp},
+        "steps": setup.steps,
+        "fault_step": setup.fault_step,
+        "fault_rank": setup.fault_rank,
+        "results": [_finite(r.to_dict()) for r in results],
+    }
     paths["json"].write_text(json.dumps(doc, indent=2) + "\n")
     plot(results, folder / "runs" / "reference", paths["png"])
     return {**paths, "summary": summary, "table": f"{table(results)}\n\n{'PASS' if not failed else 'FAIL'}: {summary}"}
@@ -89,18 +114,18 @@ def _finite(d: dict) -> dict:
 
 
 def plot(results: list[DrillResult], reference_dir: Path, out: Path) -> None:
-    shown = [r for r in results if r.status != "n/a" and r.run_dir and (Path(r.run_dir) / "run.sqlite").exists()]
+    shown = [r for r in results if r.status != "n/a" and r.run_dir and (Path(r.run_dir) / STORE_FILE).exists()]
     cols = min(3, max(1, len(shown)))
     rows = max(1, math.ceil(len(shown) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.4 * rows), squeeze=False)
-    reference = read_steps(reference_dir, effective=True) if (reference_dir / "run.sqlite").exists() else None
-    for ax in axes.flat[len(shown):]:
+    reference = read_steps(reference_dir, effective=True) if (reference_dir / STORE_FILE).exists() else None
+    for ax in axes.flat[len(shown) :]:
         ax.axis("off")
     for ax, r in zip(axes.flat, shown):
         run_dir = Path(r.run_dir)
         every, kept = read_steps(run_dir), read_steps(run_dir, effective=True)
         compared = run_dir.parent / str(r.loss_compared_with)
-        if r.loss_compared_with and r.loss_compared_with != "reference" and (compared / "run.sqlite").exists():
+        if r.loss_compared_with and r.loss_compared_with != "reference" and (compared / STORE_FILE).exists():
             base, base_label = read_steps(compared, effective=True), "reference that skipped the same batches"
         else:
             base, base_label = reference, "reference (no fault)"
@@ -109,21 +134,43 @@ def plot(results: list[DrillResult], reference_dir: Path, out: Path) -> None:
         dropped = every.merge(kept[["step", "attempt"]], on=["step", "attempt"], how="left", indicator=True)
         dropped = dropped[dropped["_merge"] == "left_only"]
         ax.plot(kept.step, kept.loss, color="tab:blue", lw=1.2, label="the run: kept trajectory")
-        ax.scatter(dropped.step, dropped.loss.clip(upper=_ceiling(every, reference)), marker="x", color="tab:red", s=22,
-                   zorder=3, label="the run: steps thrown away")
+        ax.scatter(
+            dropped.step,
+            dropped.loss.clip(upper=_ceiling(every, reference)),
+            marker="x",
+            color="tab:red",
+            s=22,
+            zorder=3,
+            label="the run: steps thrown away",
+        )
         if r.fault_step is not None:
             ax.axvline(r.fault_step, color="tab:red", lw=1.5, label=f"fault (step {r.fault_step})")
         if r.detected and r.detection_step is not None:
-            ax.axvline(r.detection_step + 0.3, color="tab:orange", lw=1.5, ls="--",
-                       label=f"detected: {r.detected_by} (+{r.detection_latency_s:.1f} s)")
+            ax.axvline(
+                r.detection_step + 0.3,
+                color="tab:orange",
+                lw=1.5,
+                ls="--",
+                label=f"detected: {r.detected_by} (+{r.detection_latency_s:.1f} s)",
+            )
         if r.recovered_step is not None and len(dropped):
             # The recovery went back in steps (a rollback or a restart from a checkpoint): shade what ran again.
             end = int(dropped.step.max())
-            ax.axvspan(r.recovered_step - 0.5, end + 0.5, color="tab:green", alpha=0.15,
-                       label=f"recovered: steps {r.recovered_step}-{end} ran again ({r.time_to_recover_s:.1f} s)")
+            ax.axvspan(
+                r.recovered_step - 0.5,
+                end + 0.5,
+                color="tab:green",
+                alpha=0.15,
+                label=f"recovered: steps {r.recovered_step}-{end} ran again ({r.time_to_recover_s:.1f} s)",
+            )
         elif r.recovered_step is not None:
-            ax.axvline(r.recovered_step - 0.3, color="tab:green", lw=1.5, ls=":",
-                       label=f"recovered: step {r.recovered_step} ({r.time_to_recover_s:.1f} s)")
+            ax.axvline(
+                r.recovered_step - 0.3,
+                color="tab:green",
+                lw=1.5,
+                ls=":",
+                label=f"recovered: step {r.recovered_step} ({r.time_to_recover_s:.1f} s)",
+            )
         if r.recovered and r.recovered_step is None:
             # A slow rank leaves the loss alone: what changes is the step time, so draw that too.
             slow = ax.twinx()

@@ -16,10 +16,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from keel.monitor.exits import EXIT_MEANINGS
+from keel.monitor.run_dir import CHAOS_DIR, INJECTED_FILE, STORE_FILE
 from keel.monitor.store import read_events, read_meta, read_steps
-
-EXIT_MEANINGS = {1: "a worker failed and torchrun gave up", 2: "bad configuration", 3: "hang", 4: "rollback cap reached",
-                 5: "OOM restart", 6: "out of memory at the smallest micro-batch"}
 
 
 @dataclass
@@ -27,6 +26,7 @@ class Expectation:
     """What a drill's fault must cause. compare: "identical" (the fault must not change the
     arithmetic), "skip" (equal to a reference that skipped the batches the recovery skipped), or
     "none" (the trajectory legitimately differs, e.g. one skipped update; the loss is shown, not judged)."""
+
     detect: tuple[str, ...]  # event kinds that count as detection
     recover: tuple[str, ...] = ()  # event kinds of the recovery action; () when finishing is the recovery
     compare: str = "identical"
@@ -66,7 +66,7 @@ class DrillResult:
 
 
 def injections(run_dir: Path) -> list[dict]:
-    path = run_dir / "chaos" / "injected.jsonl"
+    path = run_dir / CHAOS_DIR / INJECTED_FILE
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
@@ -110,12 +110,21 @@ def _span(steps: pd.Series) -> str:
     return f"{int(steps.min())}..{int(steps.max())} ({len(steps)})" if len(steps) else "none"
 
 
-def judge(name: str, faults: list[str], expect: Expectation, run_dir: Path, exit_code: int, reference_dir: Path | None,
-          fault_step: int, fault_rank: int | None = None, hint: str = "") -> DrillResult:
+def judge(
+    name: str,
+    faults: list[str],
+    expect: Expectation,
+    run_dir: Path,
+    exit_code: int,
+    reference_dir: Path | None,
+    fault_step: int,
+    fault_rank: int | None = None,
+    hint: str = "",
+) -> DrillResult:
     """The verdict on one drill run. `reference_dir` is the fault-free run to compare with (for
     compare="skip", the one that skipped the same batches; None if that could not be made)."""
     r = DrillResult(name, faults, "fail", fault_step=fault_step, exit_code=exit_code, run_dir=str(run_dir))
-    if not (run_dir / "run.sqlite").exists():
+    if not (run_dir / STORE_FILE).exists():
         r.reasons.append(f"the run left no run store (exit code {exit_code}: {EXIT_MEANINGS.get(exit_code, 'unknown')})")
         return r
     events, all_steps, kept = read_events(run_dir), read_steps(run_dir), read_steps(run_dir, effective=True)
@@ -134,6 +143,17 @@ def judge(name: str, faults: list[str], expect: Expectation, run_dir: Path, exit
     r.goodput = goodput["goodput"] if goodput else None
     r.final_loss = float(kept.loss.iloc[-1]) if len(kept) else None
 
+    _judge_detection(r, events, expect, fault_step, fault_rank)
+    _judge_recovery(r, events, kept, expect, exit_code, hint)
+    _judge_loss(r, kept, expect, reference_dir)
+    if expect.compare == "skip" and not r.batches_skipped:
+        r.reasons.append("the recovery skipped no data")
+    r.status = "pass" if not r.reasons else "fail"
+    return r
+
+
+def _judge_detection(r: DrillResult, events: pd.DataFrame, expect: Expectation, fault_step: int, fault_rank: int | None) -> None:
+    """Whether, by what and how fast the fault was detected."""
     found = _detection(events, expect.detect, r.fault_time - 1e-3, fault_rank)
     if found is None:
         r.reasons.append(f"not detected: no {' or '.join(expect.detect)} event after the fault")
@@ -145,6 +165,9 @@ def judge(name: str, faults: list[str], expect: Expectation, run_dir: Path, exit
         r.detection_latency_steps = r.detection_step - fault_step
         r.detection_latency_s = max(0.0, at - r.fault_time)
 
+
+def _judge_recovery(r: DrillResult, events: pd.DataFrame, kept: pd.DataFrame, expect: Expectation, exit_code: int, hint: str) -> None:
+    """Whether the run went on to finish after the fault, and when it was back to training."""
     finished = exit_code == 0 and (events.kind == "run_finished").any()
     action = _detection(events, expect.recover, r.fault_time - 1e-3) if expect.recover else None
     if not finished:
@@ -165,6 +188,9 @@ def judge(name: str, faults: list[str], expect: Expectation, run_dir: Path, exit
         else:
             r.reasons.append("not recovered: no step ran after the recovery")
 
+
+def _judge_loss(r: DrillResult, kept: pd.DataFrame, expect: Expectation, reference_dir: Path | None) -> None:
+    """The loss after recovery against the fault-free reference's."""
     if expect.compare == "none":
         r.loss_compared_with = "not compared (the fault legitimately changes the trajectory)"
     elif reference_dir is None:
@@ -173,11 +199,9 @@ def judge(name: str, faults: list[str], expect: Expectation, run_dir: Path, exit
         reference = read_steps(reference_dir, effective=True)
         r.loss_compared_with = reference_dir.name
         r.reference_final_loss = float(reference.loss.iloc[-1]) if len(reference) else None
-        worst, problem = compare_losses(kept[["step", "loss"]].reset_index(drop=True), reference[["step", "loss"]].reset_index(drop=True), expect.rtol)
+        worst, problem = compare_losses(
+            kept[["step", "loss"]].reset_index(drop=True), reference[["step", "loss"]].reset_index(drop=True), expect.rtol
+        )
         r.loss_max_rel_diff = worst
         if problem:
             r.reasons.append(problem)
-    if expect.compare == "skip" and not r.batches_skipped:
-        r.reasons.append("the recovery skipped no data")
-    r.status = "pass" if not r.reasons else "fail"
-    return r

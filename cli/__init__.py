@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
+
 USAGE = """usage: keel COMMAND [ARGS]
 
 commands:
@@ -20,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, end="")
-        return 0 if argv else 2
+        return EXIT_OK if argv else EXIT_CONFIG
     command, rest = argv[0], argv[1:]
     # Imports stay inside the branches so `keel metrics` does not pay for importing torch.
     if command == "train":
@@ -37,6 +39,5 @@ def main(argv: list[str] | None = None) -> int:
         from keel.trainer.data import prepare_data_main as run
     else:
         print(f"keel: error: unknown command '{command}'\n{USAGE}", end="", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     return run(rest)
-

@@ -19,6 +19,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from keel.monitor.config_fields import at_least
+
 # 1.4826 * MAD estimates the standard deviation of normally distributed noise.
 _MAD_TO_SIGMA = 1.4826
 # A snapshot of the state every this many updates: rewind() replays at most this many from one.
@@ -53,6 +55,30 @@ class SpikeConfig:
     grad_persistence: int = 2  # grad-norm outliers in a row that make a warning
     history: int = 10000  # updates; rewind() is exact this far back (further: from an empty baseline)
 
+    def validate(self) -> None:
+        """Raises ValueError, one line naming the field and the fix, for settings the detector cannot work with."""
+        at_least("spike.window", self.window, 2)
+        at_least("spike.min_baseline", self.min_baseline, 2)
+        if self.min_baseline > self.window:
+            raise ValueError(
+                f"spike.min_baseline={self.min_baseline} is larger than spike.window={self.window}; lower it or widen the window"
+            )
+        at_least("spike.persistence", self.persistence, 1)
+        at_least("spike.grad_persistence", self.grad_persistence, 1)
+        at_least("spike.min_rel_spread", self.min_rel_spread, 0)
+        at_least("spike.history", self.history, 0)
+        if not 1 <= self.center_window <= self.window:
+            raise ValueError(f"spike.center_window={self.center_window}: must be between 1 and spike.window={self.window}")
+        if not 0 <= self.hold <= 1:
+            raise ValueError(f"spike.hold={self.hold}: must be in [0, 1] (a fraction of the way from the center to the threshold)")
+        at_least("spike.warmup_steps", self.warmup_steps, 0)
+        for name in ("sigmas", "grad_sigmas"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"spike.{name}={getattr(self, name)}: must be positive")
+        for name in ("ratio", "grad_ratio"):
+            if not getattr(self, name) > 1:
+                raise ValueError(f"spike.{name}={getattr(self, name)}: must be above 1 (a multiple of the baseline)")
+
 
 @dataclass
 class Finding:
@@ -67,16 +93,24 @@ class Finding:
 
     def message(self) -> str:
         if self.kind == "loss_outlier":
-            return (f"loss {self.value:.4g} at step {self.step} is above {self.threshold:.4g} "
-                    f"(baseline {self.baseline:.4g}); a spike if it persists")
+            return (
+                f"loss {self.value:.4g} at step {self.step} is above {self.threshold:.4g} "
+                f"(baseline {self.baseline:.4g}); a spike if it persists"
+            )
         if self.kind == "spike_confirmed":
-            return (f"loss spike since step {self.start_step}: loss {self.value:.4g} at step {self.step} "
-                    f"(baseline {self.baseline:.4g}, outlier above {self.threshold:.4g})")
+            return (
+                f"loss spike since step {self.start_step}: loss {self.value:.4g} at step {self.step} "
+                f"(baseline {self.baseline:.4g}, outlier above {self.threshold:.4g})"
+            )
         if self.kind == "spike_healed":
-            return (f"loss back below {self.threshold:.4g} (baseline {self.baseline:.4g}), {self.value:.4g} at step "
-                    f"{self.step}: the outlier run from step {self.start_step} healed")
-        return (f"grad norm {self.value:.4g} at step {self.step} is above {self.threshold:.4g} "
-                f"(baseline {self.baseline:.4g}) since step {self.start_step}: early warning of a loss spike")
+            return (
+                f"loss back below {self.threshold:.4g} (baseline {self.baseline:.4g}), {self.value:.4g} at step "
+                f"{self.step}: the outlier run from step {self.start_step} healed"
+            )
+        return (
+            f"grad norm {self.value:.4g} at step {self.step} is above {self.threshold:.4g} "
+            f"(baseline {self.baseline:.4g}) since step {self.start_step}: early warning of a loss spike"
+        )
 
 
 def _robust_stats(values: deque[float], center_window: int, min_rel_spread: float) -> tuple[float, float]:

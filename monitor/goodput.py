@@ -139,8 +139,7 @@ def compute_goodput(steps: pd.DataFrame, events: pd.DataFrame, end_time: float |
         "hang": _duration_sum(events, "hang", "stalled_s"),
         # A rollback's checkpoint load is also recorded by its checkpoint_loaded event, so rollback.load_s
         # is not added here.
-        "checkpoint": _duration_sum(events, "checkpoint_saved", "blocking_s")
-        + _duration_sum(events, "checkpoint_loaded", "load_s"),
+        "checkpoint": _duration_sum(events, "checkpoint_saved", "blocking_s") + _duration_sum(events, "checkpoint_loaded", "load_s"),
     }
     # The causes can overlap (a hang's stall is part of the restart's down time when the watchdog's kill
     # led to the restart), so the rest can come out negative; it is clipped at 0 rather than reported as

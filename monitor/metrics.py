@@ -25,7 +25,9 @@ GAUGES = (
     MetricSpec("keel_learning_rate", "gauge", "", "Learning rate used by the last step.", "lr"),
     MetricSpec("keel_tokens_per_second", "gauge", "tokens/s", "Global training throughput of the last step.", "tokens_per_s"),
     MetricSpec("keel_mfu_ratio", "gauge", "ratio", "Model FLOPs utilization of the last step (0..1).", "mfu"),
-    MetricSpec("keel_comm_share_ratio", "gauge", "ratio", "Exposed communication time / step time, last sampled step (0..1).", "comm_share"),
+    MetricSpec(
+        "keel_comm_share_ratio", "gauge", "ratio", "Exposed communication time / step time, last sampled step (0..1).", "comm_share"
+    ),
     MetricSpec("keel_step", "gauge", "", "Last completed training step.", "step"),
     MetricSpec("keel_attempt", "gauge", "", "Attempt of the last step (raised by each rollback or restart).", "attempt"),
     MetricSpec("keel_last_step_timestamp_seconds", "gauge", "seconds", "Unix time at which the last step completed.", "time"),
@@ -40,7 +42,9 @@ STEP_DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 
 # Counters, each counting run-store events of one kind.
 COUNTERS = (
-    MetricSpec("keel_nonfinite_steps_total", "counter", "", "Steps skipped (no update) because a loss or gradient was NaN or Inf.", "nonfinite"),
+    MetricSpec(
+        "keel_nonfinite_steps_total", "counter", "", "Steps skipped (no update) because a loss or gradient was NaN or Inf.", "nonfinite"
+    ),
     MetricSpec("keel_loss_spikes_total", "counter", "", "Loss spikes confirmed by the spike detector.", "spike"),
     MetricSpec("keel_rollbacks_total", "counter", "", "Rollbacks to an earlier checkpoint.", "rollback"),
     MetricSpec("keel_data_skips_total", "counter", "", "Windows of bad batches skipped after a rollback.", "skip_data"),

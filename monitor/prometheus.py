@@ -4,27 +4,31 @@ optionally pushes the final state to a Pushgateway, for jobs shorter than a scra
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-    push_to_gateway,
-    start_http_server,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, push_to_gateway, start_http_server
+from prometheus_client.metrics_core import Metric
 
 from keel.monitor import metrics
 from keel.monitor.sinks import Event, SinkError
 
 log = logging.getLogger("keel.monitor")
 
-# The *_created series would double the series count; no rule or dashboard uses them.
-disable_created_metrics()
-
 PORT_SEARCH = 20  # a busy port moves the exporter up to this many ports higher
+
+
+class KeelRegistry(CollectorRegistry):
+    """Keel's own registry, whose output (served and pushed) leaves out the *_created series that
+    prometheus_client adds to each counter and histogram: they would double the series count, and no
+    rule or dashboard uses them. prometheus_client's disable_created_metrics() would drop them from
+    every registry in the process, the host program's too."""
+
+    def collect(self) -> Iterator[Metric]:
+        for family in super().collect():
+            # Each collect() builds new Metric objects: filtering them changes no state of the metrics.
+            family.samples = [s for s in family.samples if s.name != family.name + "_created"]
+            yield family
 
 
 def start_exporter(registry: CollectorRegistry, host: str, port: int):
@@ -46,18 +50,25 @@ class PrometheusSink:
 
     def __init__(self, run_id: str, host: str = "127.0.0.1", port: int = 9400, pushgateway_url: str = ""):
         self.run_id, self.pushgateway_url = run_id, pushgateway_url
-        self.registry = CollectorRegistry()
+        self.registry = KeelRegistry()
         self.gauge_families = {
             m.source: Gauge(m.name, m.help, ["run_id"], registry=self.registry)
-            for m in metrics.GAUGES if m.name != "keel_rank_step_duration_seconds"
+            for m in metrics.GAUGES
+            if m.name != "keel_rank_step_duration_seconds"
         }
         # The labelled children are looked up once, at the first step (.labels() takes a lock and a dict
         # lookup per call). Not before: a gauge would read 0 until then, and a loss of 0 is a lie.
         self.gauges: dict[str, Any] = {}
-        self.rank_step = Gauge("keel_rank_step_duration_seconds", "Duration of the last step on each rank.", ["run_id", "rank"], registry=self.registry)
+        self.rank_step = Gauge(
+            "keel_rank_step_duration_seconds", "Duration of the last step on each rank.", ["run_id", "rank"], registry=self.registry
+        )
         self.rank_children: dict[int, Any] = {}
         self.step_duration = Histogram(
-            metrics.STEP_DURATION.name, metrics.STEP_DURATION.help, ["run_id"], buckets=metrics.STEP_DURATION_BUCKETS, registry=self.registry
+            metrics.STEP_DURATION.name,
+            metrics.STEP_DURATION.help,
+            ["run_id"],
+            buckets=metrics.STEP_DURATION_BUCKETS,
+            registry=self.registry,
         ).labels(run_id)
         self.counters = {}
         for m in metrics.COUNTERS:

@@ -21,12 +21,31 @@ class RunRecorder:
         self.store.write_step(row, rank_rows)
         self.publisher.publish_step(row, rank_rows)
 
-    def event(self, kind: str, message: str, *, severity: str = "info", step: int | None = None,
-              attempt: int | None = None, rank: int | None = None, data: dict | None = None) -> None:
+    def event(
+        self,
+        kind: str,
+        message: str,
+        *,
+        severity: str = "info",
+        step: int | None = None,
+        attempt: int | None = None,
+        rank: int | None = None,
+        data: dict | None = None,
+    ) -> None:
         now = time.time()
         self.store.write_event(kind, message, severity=severity, step=step, attempt=attempt, rank=rank, data=data, time=now)
-        self.publisher.publish_event({"time": now, "step": step, "attempt": attempt, "rank": rank, "kind": kind,
-                                      "severity": severity, "message": message, "data": data or {}})
+        self.publisher.publish_event(
+            {
+                "time": now,
+                "step": step,
+                "attempt": attempt,
+                "rank": rank,
+                "kind": kind,
+                "severity": severity,
+                "message": message,
+                "data": data or {},
+            }
+        )
 
     def alert(self, alert: Alert) -> bool:
         return self.alerts.raise_alert(alert)
@@ -36,6 +55,8 @@ class RunRecorder:
         self.publisher.close()
         stats = self.publisher.stats()
         if stats:
-            summary = ", ".join(f"{name}: {s['cpu_s']:.3f} s CPU, {s['dropped']} dropped, {s['failures']} failed" for name, s in stats.items())
+            summary = ", ".join(
+                f"{name}: {s['cpu_s']:.3f} s CPU, {s['dropped']} dropped, {s['failures']} failed" for name, s in stats.items()
+            )
             self.store.write_event("sinks_closed", summary, data=stats)
         self.store.close()

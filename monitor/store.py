@@ -22,7 +22,7 @@ from typing import Any
 
 import pandas as pd
 
-STORE_FILE = "run.sqlite"
+from keel.monitor.run_dir import STORE_FILE
 
 # Column -> Python type, in table order. The DDL, the binding and the reader's dtypes all come from here.
 _STEP_TYPES: dict[str, type] = {

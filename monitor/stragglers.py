@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from keel.monitor.config_fields import at_least
+
 
 @dataclass
 class StragglerConfig:
@@ -25,14 +27,26 @@ class StragglerConfig:
     # reported with: "twice as slow as when we told you" is news, the same slowness every step is not.
     escalation: float = 0.5
 
+    def validate(self) -> None:
+        """Raises ValueError, one line naming the field and the fix, for settings the tracker cannot work with."""
+        at_least("stragglers.window", self.window, 1)
+        if not 1 <= self.min_samples <= self.window:
+            # Otherwise no rank would ever get a score, and the tracker would silently flag nothing.
+            raise ValueError(f"stragglers.min_samples={self.min_samples}: must be between 1 and stragglers.window={self.window}")
+        if not 0 < self.threshold <= 1:
+            raise ValueError(f"stragglers.threshold={self.threshold}: must be in (0, 1]; 0.75 flags a rank 33% slower than the fastest")
+        at_least("stragglers.warmup_steps", self.warmup_steps, 0)
+        if not 0 < self.escalation < 1:
+            raise ValueError(
+                f"stragglers.escalation={self.escalation}: must be in (0, 1); 0.5 reports a flagged rank again once twice as slow"
+            )
+
 
 class StragglerTracker:
     """Scores per rank, fed one busy time per rank for each step where communication was measured."""
 
     def __init__(self, cfg: StragglerConfig, world: int, peers: Sequence[Sequence[int]] | None = None) -> None:
-        if not 1 <= cfg.min_samples <= cfg.window:
-            # Otherwise no rank would ever get a score, and the tracker would silently flag nothing.
-            raise ValueError(f"stragglers.min_samples={cfg.min_samples} must be between 1 and stragglers.window={cfg.window}")
+        cfg.validate()
         self.cfg = cfg
         self.world = world
         # Ranks compared with each other: those doing the same work. Pipeline stages differ in their

@@ -13,19 +13,17 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from keel.monitor.alerts import describe
+from keel.monitor.config_fields import WandbMode
 from keel.monitor.redact import redact, redact_argv
 from keel.monitor.sinks import Event, SinkError
 
 log = logging.getLogger("keel.monitor")
 
-MODES = ("auto", "online", "offline", "disabled")
-
 # Step-row columns logged to W&B; the rest (time, tokens, skipped) are in the run store.
-_LOGGED = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "comm_share", "step_time_s", "data_time_s",
-           "mem_peak_bytes", "attempt")
+_LOGGED = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "comm_share", "step_time_s", "data_time_s", "mem_peak_bytes", "attempt")
 
 # An online wandb.init that cannot reach the server gives up after this long instead of wandb's 90 s.
 _INIT_TIMEOUT_S = 30.0
@@ -39,15 +37,15 @@ class WandbSink:
         run_id: str,
         config: dict[str, Any],
         project: str = "keel",
-        mode: str = "auto",
+        mode: WandbMode = "auto",
         *,
         run_dir: str | Path,
         alert_throttle_s: float = 300.0,
         min_interval_s: float = 0.0,
         clock=time.monotonic,
     ) -> None:
-        if mode not in MODES:
-            raise SinkError(f"monitor.wandb_mode={mode!r} is not one of {', '.join(MODES)}")
+        if mode not in get_args(WandbMode):
+            raise SinkError(f"monitor.wandb_mode={mode!r} is not one of {', '.join(get_args(WandbMode))}")
         try:
             import wandb
         except ImportError:
@@ -56,8 +54,12 @@ class WandbSink:
         if mode == "auto":
             mode = "online" if _api_key_available() else "offline"
             if mode == "offline":
-                log.info("W&B: no API key (WANDB_API_KEY or `wandb login`), logging offline to %s/wandb;"
-                         " upload later with `wandb sync %s/wandb/offline-run-*`", run_dir, run_dir)
+                log.info(
+                    "W&B: no API key (WANDB_API_KEY or `wandb login`), logging offline to %s/wandb;"
+                    " upload later with `wandb sync %s/wandb/offline-run-*`",
+                    run_dir,
+                    run_dir,
+                )
         self.mode = mode
         self.alert_throttle_s = alert_throttle_s
         self.min_interval_s, self._clock = min_interval_s, clock

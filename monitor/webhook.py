@@ -101,9 +101,7 @@ def _message(event: Event) -> dict[str, Any]:
         "values": data.get("values", {}),
     }
     fields = [
-        {"title": key, "value": str(alert[key]), "short": True}
-        for key in ("run_id", "step", "attempt", "rank")
-        if alert[key] is not None
+        {"title": key, "value": str(alert[key]), "short": True} for key in ("run_id", "step", "attempt", "rank") if alert[key] is not None
     ]
     fields += [{"title": key, "value": str(value), "short": True} for key, value in alert["values"].items()]
     return {

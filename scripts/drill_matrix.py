@@ -16,24 +16,43 @@ import sys
 import time
 from pathlib import Path
 
+from keel.monitor.run_dir import DRILL_DIR
+
 LAYOUTS = {"1x1x1": (1, 1, 1), "dp2": (1, 2, 1), "tp2": (1, 1, 2), "pp2": (2, 1, 1), "pp2·dp2·tp2": (2, 2, 2)}
 
 
 def main() -> int:
     argv = sys.argv[1:]
-    job = argv[argv.index("--") + 1:] if "--" in argv else ["--config", "tiny"]
+    job = argv[argv.index("--") + 1 :] if "--" in argv else ["--config", "tiny"]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run-dir", default="runs/drill-matrix")
     p.add_argument("--suite", default="standard")
-    opts = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    opts = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     reports, failed = {}, False
     for name, (pp, dp, tp) in LAYOUTS.items():
         run_dir = Path(opts.run_dir) / name.replace("·", "-")
         start = time.time()
-        code = subprocess.call([sys.executable, "-m", "keel.cli", "drill", "--run-dir", str(run_dir), "--suite", opts.suite,
-                                "--pp", str(pp), "--dp", str(dp), "--tp", str(tp), *job])
+        code = subprocess.call(
+            [
+                sys.executable,
+                "-m",
+                "keel.cli",
+                "drill",
+                "--run-dir",
+                str(run_dir),
+                "--suite",
+                opts.suite,
+                "--pp",
+                str(pp),
+                "--dp",
+                str(dp),
+                "--tp",
+                str(tp),
+                *job,
+            ]
+        )
         failed |= code != 0
-        found = sorted(run_dir.glob("drills/drill-*/report.json"))
+        found = sorted(run_dir.glob(f"{DRILL_DIR}/drill-*/report.json"))
         reports[name] = json.loads(found[-1].read_text()) if found else None
         print(f"{name}: exit {code} in {time.time() - start:.0f} s", flush=True)
     table = matrix(reports)

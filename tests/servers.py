@@ -22,13 +22,14 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 READY_TIMEOUT_S = 30.0
 
-_live: set["Server"] = set()  # servers not stopped yet: stopped at interpreter exit at the latest
+_live: set[Server] = set()  # servers not stopped yet: stopped at interpreter exit at the latest
 
 
 def free_port() -> int:
@@ -79,7 +80,9 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.stop()
-                raise RuntimeError(f"{self.name} exited with status {self.proc.returncode} before it was ready; log tail:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited with status {self.proc.returncode} before it was ready; log tail:\n{self.log_tail()}"
+                )
             try:
                 status, body = _get(self.url + "/-/ready", timeout=1.0)
                 if status == 200:
@@ -102,7 +105,7 @@ class Server:
                 self.proc.kill()
                 self.proc.wait(timeout)
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -271,7 +274,9 @@ class WebhookReceiver:
         self._server = _HookServer(("127.0.0.1", 0), Handler)
         self.port = self._server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}{path}"
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="webhook-receiver", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="webhook-receiver", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -291,7 +296,9 @@ class WebhookReceiver:
                     return bodies
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"webhook {self.url}: condition not met in {timeout} s; received {len(bodies)} bodies: {json.dumps(bodies)[-3000:]}")
+                    raise TimeoutError(
+                        f"webhook {self.url}: condition not met in {timeout} s; received {len(bodies)} bodies: {json.dumps(bodies)[-3000:]}"
+                    )
                 self._lock.wait(min(left, 0.2))
 
     def stop(self) -> None:
@@ -299,7 +306,7 @@ class WebhookReceiver:
         self._server.server_close()
         self._thread.join(5)
 
-    def __enter__(self) -> "WebhookReceiver":
+    def __enter__(self) -> WebhookReceiver:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -330,7 +337,9 @@ class MetricsTarget:
         self.port = self._server.server_address[1]
         self.target = f"127.0.0.1:{self.port}"
         self.url = f"http://{self.target}/metrics"
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="metrics-target", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="metrics-target", daemon=True
+        )
         self._thread.start()
 
     def stop(self) -> None:
@@ -338,7 +347,7 @@ class MetricsTarget:
         self._server.server_close()
         self._thread.join(5)
 
-    def __enter__(self) -> "MetricsTarget":
+    def __enter__(self) -> MetricsTarget:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -47,8 +47,16 @@ class RecordingSink:
 
 
 def spike_alert(step: int = 7) -> Alert:
-    return Alert("loss_spike", "critical", "loss jumped 4.5x over its median", run_id="run-7", step=step,
-                 attempt=1, rank=0, values={"loss": 9.5, "median": 2.1, "detector": "mad"})
+    return Alert(
+        "loss_spike",
+        "critical",
+        "loss jumped 4.5x over its median",
+        run_id="run-7",
+        step=step,
+        attempt=1,
+        rank=0,
+        values={"loss": 9.5, "median": 2.1, "detector": "mad"},
+    )
 
 
 # --- router ----------------------------------------------------------------------------------------------
@@ -90,7 +98,10 @@ def test_router_records_logs_publishes_and_throttles(tmp_path, caplog):
     store.close()
     assert list(read_events(tmp_path)["step"]) == [7, 9, 10]
     assert [(e["kind"], e["step"], e["data"]["alert"]) for e in recorder.events] == [
-        ("alert", 7, "loss_spike"), ("alert", 9, "straggler"), ("alert", 10, "loss_spike")]
+        ("alert", 7, "loss_spike"),
+        ("alert", 9, "straggler"),
+        ("alert", 10, "loss_spike"),
+    ]
 
 
 # --- webhook ---------------------------------------------------------------------------------------------
@@ -166,9 +177,16 @@ def test_webhook_posts_a_slack_message_with_the_alert(serve):
     [attachment] = body["attachments"]
     assert attachment["color"] == "#d93025"
     assert {"title": "median", "value": "2.1", "short": True} in attachment["fields"]
-    assert body["keel"] == {"run_id": "run-7", "step": 7, "attempt": 1, "rank": 0, "name": "loss_spike",
-                            "severity": "critical", "message": "loss jumped 4.5x over its median",
-                            "values": {"loss": 9.5, "median": 2.1, "detector": "mad"}}
+    assert body["keel"] == {
+        "run_id": "run-7",
+        "step": 7,
+        "attempt": 1,
+        "rank": 0,
+        "name": "loss_spike",
+        "severity": "critical",
+        "message": "loss jumped 4.5x over its median",
+        "values": {"loss": 9.5, "median": 2.1, "detector": "mad"},
+    }
 
 
 def test_webhook_ignores_steps_and_other_events(serve):
@@ -243,12 +261,15 @@ def test_webhook_slow_server_gives_up_after_the_timeout(serve):
     assert time.perf_counter() - start < 1.5
 
 
-@pytest.mark.parametrize("url", [
-    "hooks.slack.com" + SECRET_PATH,  # no scheme
-    "ftp://hooks.slack.com" + SECRET_PATH,
-    "https://" + SECRET_PATH,  # no host
-    "https://[hooks.slack.com" + SECRET_PATH,
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "hooks.slack.com" + SECRET_PATH,  # no scheme
+        "ftp://hooks.slack.com" + SECRET_PATH,
+        "https://" + SECRET_PATH,  # no host
+        "https://[hooks.slack.com" + SECRET_PATH,
+    ],
+)
 def test_malformed_webhook_url_is_refused_without_echoing_it(url, caplog):
     with caplog.at_level(logging.DEBUG), pytest.raises(SinkError, match="monitor.webhook_url") as error:
         WebhookSink(url)
@@ -261,8 +282,7 @@ def test_malformed_webhook_url_is_refused_without_echoing_it(url, caplog):
 def test_redact_replaces_secrets_at_any_depth_and_leaves_the_input_alone():
     config = {
         "run_id": "r1",
-        "monitor": {"webhook_url": SECRET_URL, "port": 9100, "wandb_mode": "auto",
-                    "alerts": {"Slack_Token": "xoxb-1", "throttle_s": 300}},
+        "monitor": {"webhook_url": SECRET_URL, "port": 9100, "wandb_mode": "auto", "alerts": {"Slack_Token": "xoxb-1", "throttle_s": 300}},
         "WANDB_API_KEY": "k" * 40,
         "db": {"password": "hunter2", "secret": "", "token": None},
         "optim": {"lr": 3e-4, "betas": [0.9, 0.95]},
@@ -271,8 +291,12 @@ def test_redact_replaces_secrets_at_any_depth_and_leaves_the_input_alone():
     out = redact(config)
     assert out == {
         "run_id": "r1",
-        "monitor": {"webhook_url": "<redacted>", "port": 9100, "wandb_mode": "auto",
-                    "alerts": {"Slack_Token": "<redacted>", "throttle_s": 300}},
+        "monitor": {
+            "webhook_url": "<redacted>",
+            "port": 9100,
+            "wandb_mode": "auto",
+            "alerts": {"Slack_Token": "<redacted>", "throttle_s": 300},
+        },
         "WANDB_API_KEY": "<redacted>",
         "db": {"password": "<redacted>", "secret": "", "token": None},  # empty values stay visibly empty
         "optim": {"lr": 3e-4, "betas": [0.9, 0.95]},
@@ -282,10 +306,15 @@ def test_redact_replaces_secrets_at_any_depth_and_leaves_the_input_alone():
 
 
 def test_redact_argv_hides_secret_overrides():
-    argv = ["keel", "train", f"--monitor.webhook_url={SECRET_URL}", "monitor.wandb_api_key=k", "--optim.lr=3e-4",
-            "--monitor.webhook_url="]
-    assert redact_argv(argv) == ["keel", "train", "--monitor.webhook_url=<redacted>", "monitor.wandb_api_key=<redacted>",
-                                 "--optim.lr=3e-4", "--monitor.webhook_url="]
+    argv = ["keel", "train", f"--monitor.webhook_url={SECRET_URL}", "monitor.wandb_api_key=k", "--optim.lr=3e-4", "--monitor.webhook_url="]
+    assert redact_argv(argv) == [
+        "keel",
+        "train",
+        "--monitor.webhook_url=<redacted>",
+        "monitor.wandb_api_key=<redacted>",
+        "--optim.lr=3e-4",
+        "--monitor.webhook_url=",
+    ]
 
 
 # --- W&B -------------------------------------------------------------------------------------------------
@@ -330,8 +359,14 @@ def run_wandb_child(tmp_path: Path, config: dict, mode: str = "auto", **env: str
     home.mkdir()
     # No API key anywhere: not in the environment, no ~/.netrc, no wandb settings file.
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
-    child_env.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), WANDB_CONFIG_DIR=str(home / ".config/wandb"),
-                     WANDB_CACHE_DIR=str(home / ".cache/wandb"), WANDB_DATA_DIR=str(home / ".local/wandb"), **env)
+    child_env.update(
+        HOME=str(home),
+        XDG_CONFIG_HOME=str(home / ".config"),
+        WANDB_CONFIG_DIR=str(home / ".config/wandb"),
+        WANDB_CACHE_DIR=str(home / ".cache/wandb"),
+        WANDB_DATA_DIR=str(home / ".local/wandb"),
+        **env,
+    )
     lookups_file, config_file = tmp_path / "lookups.json", tmp_path / "config.json"
     config_file.write_text(json.dumps(config))
     # The last argument stands for a user's `keel train --monitor.webhook_url=...`: wandb records argv.
@@ -353,8 +388,8 @@ def wandb_records(path: Path) -> Iterator:
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
             pos += 32768 - pos % 32768
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunks += data[pos + 7:pos + 7 + length]
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunks += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST: a record is complete
             record = wandb_internal_pb2.Record()
@@ -382,8 +417,11 @@ def test_wandb_without_api_key_logs_offline_into_the_run_dir(tmp_path):
     [environment] = [r.environment for r in records if r.WhichOneof("record_type") == "environment" and r.environment.args]
     assert environment.args[-1] == "--monitor.webhook_url=<redacted>"
 
-    history = [{"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in r.history.item}
-               for r in records if r.WhichOneof("record_type") == "history"]
+    history = [
+        {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
     # Every row arrives, rollback included: train/step repeats while wandb's own step keeps counting.
     assert [row["train/step"] for row in history] == [1, 2, 3, 2, 3, 4]
     assert [row["_step"] for row in history] == [0, 1, 2, 3, 4, 5]
@@ -403,8 +441,11 @@ def test_wandb_rate_bound_keeps_rollbacks_and_the_last_step(tmp_path):
     attempt and the first of the new one around a rollback, and the last step at close."""
     _, _, _ = run_wandb_child(tmp_path, {"model": {}}, mode="offline", MIN_INTERVAL_S="3600")
     [run_file] = (tmp_path / "run" / "wandb").glob("offline-run-*-run-42/run-run-42.wandb")
-    history = [{"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in r.history.item}
-               for r in wandb_records(run_file) if r.WhichOneof("record_type") == "history"]
+    history = [
+        {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in r.history.item}
+        for r in wandb_records(run_file)
+        if r.WhichOneof("record_type") == "history"
+    ]
     assert [(row["train/step"], row["train/attempt"]) for row in history] == [(1, 0), (3, 0), (2, 1), (4, 1)]
 
 

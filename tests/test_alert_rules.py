@@ -14,7 +14,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from servers import MetricsTarget, WebhookReceiver, start_alertmanager, start_prometheus
 
 ALERTING = Path(__file__).resolve().parents[1] / "monitor" / "alerting"
@@ -214,7 +213,11 @@ def test_prometheus_and_alertmanager_load_the_rules_and_deliver_an_alert(tmp_pat
         # Every rule evaluates cleanly against real scraped series (no matching errors), and none fires.
         def evaluated() -> bool:
             rules = prom.api("/api/v1/rules")["groups"][0]["rules"]
-            return prom.query('up{job="keel"} == 1') != [] and all(r.get("lastEvaluation", "").startswith("2") and r["health"] == "ok" for r in rules) and prom.query("keel_loss") != []
+            return (
+                prom.query('up{job="keel"} == 1') != []
+                and all(r.get("lastEvaluation", "").startswith("2") and r["health"] == "ok" for r in rules)
+                and prom.query("keel_loss") != []
+            )
 
         _until(evaluated, 15, lambda: json.dumps(prom.api("/api/v1/rules"))[-2000:] + "\n" + prom.log_tail(1500))
         rules = prom.api("/api/v1/rules")["groups"][0]["rules"]

@@ -8,10 +8,11 @@ import subprocess
 import sys
 
 import pandas as pd
-
 from conftest import REPO, keel
+
+from keel.monitor.run_dir import list_checkpoints
 from keel.monitor.store import read_events, read_steps
-from keel.trainer.checkpoint import list_checkpoints, verify
+from keel.trainer.checkpoint import verify
 from keel.trainer.config import load_config
 from keel.trainer.launch import parse_train_args, torchrun_command
 
@@ -46,9 +47,26 @@ def test_keel_metrics_table_and_csv(reference_dir, reference_run):
 def test_train_module_under_plain_torchrun(tmp_path):
     """`torchrun -m keel.trainer.train` works without `keel train`: rank 0 names the run for all."""
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "keel.trainer.train",
-         "--config", "tiny", "--dp", "2", "--steps", "3"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "keel.trainer.train",
+            "--config",
+            "tiny",
+            "--dp",
+            "2",
+            "--steps",
+            "3",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = list((tmp_path / "runs").iterdir())
@@ -58,13 +76,31 @@ def test_train_module_under_plain_torchrun(tmp_path):
 
 
 def test_multi_node_flags_pass_through_to_torchrun():
-    cfg, opts = parse_train_args(["--config", "tiny", "--pp", "2", "--dp", "4", "--nnodes", "2", "--node-rank", "1",
-                                  "--rdzv-endpoint", "head:29500", "--rdzv-id", "job7", "--max-restarts", "3"])
+    cfg, opts = parse_train_args(
+        [
+            "--config",
+            "tiny",
+            "--pp",
+            "2",
+            "--dp",
+            "4",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--rdzv-endpoint",
+            "head:29500",
+            "--rdzv-id",
+            "job7",
+            "--max-restarts",
+            "3",
+        ]
+    )
     cmd = torchrun_command(cfg, opts, ["--config", "tiny"])
     assert "--nproc-per-node=4" in cmd and "--nnodes=2" in cmd and "--node-rank=1" in cmd
     assert "--rdzv-endpoint=head:29500" in cmd and "--rdzv-id=job7" in cmd and "--max-restarts=3" in cmd
     assert "--standalone" not in cmd
-    assert cmd[cmd.index("-m", 3):][:2] == ["-m", "keel.trainer.train"]
+    assert cmd[cmd.index("-m", 3) :][:2] == ["-m", "keel.trainer.train"]
 
 
 def test_ci_runs_exactly_the_readme_test_command():

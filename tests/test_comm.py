@@ -1,6 +1,6 @@
 """comm_share's core: communication time that no compute covers."""
 
-from keel.trainer.comm import exposed_time, subtract
+from keel.trainer.exposed_comm import exposed_time, subtract
 
 
 def test_exposed_time_subtracts_overlapping_compute():

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import keel
+
 from keel.trainer.config import ConfigError, load_config, write_resolved_config
 
 # (arguments, text the one-line error must contain: the field, and the fix)
@@ -23,10 +23,19 @@ CASES = {
         ["model.n_layers=4", "8 pipeline stages"],
     ),
     "heads not divisible by tp": (["--tp", "3"], ["parallel.tp=3", "model.n_heads=4", "choose tp from [1, 2, 4]"]),
-    "hidden not divisible by tp": (["--tp", "8", "--model.n_heads=8", "--model.n_kv_heads=8", "--model.ffn_dim=196"], ["parallel.tp=8", "model.ffn_dim=196"]),
-    "fewer micro-batches than stages": (["--pp", "2", "--training.microbatches=1"], ["training.microbatches=1", "--training.microbatches=2"]),
+    "hidden not divisible by tp": (
+        ["--tp", "8", "--model.n_heads=8", "--model.n_kv_heads=8", "--model.ffn_dim=196"],
+        ["parallel.tp=8", "model.ffn_dim=196"],
+    ),
+    "fewer micro-batches than stages": (
+        ["--pp", "2", "--training.microbatches=1"],
+        ["training.microbatches=1", "--training.microbatches=2"],
+    ),
     "global batch does not divide": (["--dp", "2", "--training.global_batch_size=6"], ["training.global_batch_size=6", "multiple of 4"]),
-    "virtual stages without interleaving": (["--pp", "2", "--parallel.pp_virtual_stages=2"], ["parallel.pp_virtual_stages=2", "Interleaved1F1B"]),
+    "virtual stages without interleaving": (
+        ["--pp", "2", "--parallel.pp_virtual_stages=2"],
+        ["parallel.pp_virtual_stages=2", "Interleaved1F1B"],
+    ),
     "unknown schedule": (["--pp", "2", "--parallel.pp_schedule=ZeroBubble"], ["parallel.pp_schedule", "GPipe"]),
     "unknown preset": (["--model.preset=13b"], ["model.preset", "tiny"]),
     "missing config file": (["--config", "nope.toml"], ["--config nope.toml", "file not found"]),
@@ -84,9 +93,25 @@ def test_process_count_mismatch_under_plain_torchrun(tmp_path):
     """Started by torchrun directly, the workers are the first to see the config: they stop with the
     same one-line error (printed once, by rank 0) before joining a process group."""
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "keel.trainer.train",
-         "--config", "tiny", "--dp", "4", "--run-dir", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "keel.trainer.train",
+            "--config",
+            "tiny",
+            "--dp",
+            "4",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "keel train: error" in line]

@@ -63,12 +63,25 @@ def test_targets_are_inputs_shifted_by_one(tokens):
 def test_skip_lands_on_the_same_batch_as_reading(tokens):
     skipped = BatchSampler(tokens, SEQ_LEN, 4, 0, 1, seed=0)
     skipped.next_batch()
-    skipped.skip(3)
+    skipped.skip_to(4)
     assert skipped.batch_index == 4
     fresh = BatchSampler(tokens, SEQ_LEN, 4, 0, 1, seed=0)
     for _ in range(4):
         fresh.next_batch()
     assert np.array_equal(skipped.next_batch()[0], fresh.next_batch()[0])
+
+
+def test_rewind_reads_the_same_batch_and_rejected_batches_are_taken_once(tokens):
+    def poison_batch_1(batch_index, window, vocab_size):
+        return window + vocab_size if batch_index == 1 else window
+
+    s = BatchSampler(tokens, SEQ_LEN, 4, 0, 1, seed=0, vocab_size=256, transform=poison_batch_1)
+    first, _ = s.next_batch()
+    s.rewind_to(0)
+    assert np.array_equal(s.next_batch()[0], first)
+    s.next_batch()  # batch 1 is passed over, batch 2 is read
+    assert s.batch_index == 3
+    assert s.take_rejected() == [1] and s.take_rejected() == []
 
 
 def test_state_dict_resume_gives_the_identical_next_batch(tokens):

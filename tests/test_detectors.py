@@ -98,8 +98,11 @@ def test_injected_spike_is_confirmed_within_10_steps(name, where, peak, shape):
 @pytest.mark.parametrize("name", [*CLEAN])
 def test_short_blip_is_reported_and_heals(name, length, peak):
     start = POSITIONS["middle"]
-    findings = feed(fed_before(name, start), spiked(series(name), start, "plateau", peak, end=start + length)
-                    + [r for r in series(name) if start + length <= r[0] < start + 100])
+    findings = feed(
+        fed_before(name, start),
+        spiked(series(name), start, "plateau", peak, end=start + length)
+        + [r for r in series(name) if start + length <= r[0] < start + 100],
+    )
     assert kinds(findings) == ["loss_outlier", "spike_healed"], [f.message() for f in findings]
     assert [f.start_step for f in findings] == [start, start]
     assert findings[1].step == start + length - 1 + PERSISTENCE  # back below the hold level for `persistence` steps
@@ -123,7 +126,10 @@ def test_outliers_stay_out_of_the_baseline():
 def test_warmup_is_exempt():
     cfg = SpikeConfig()
     rows = series(CLEAN[0])
-    jump = [(s, loss * (5.0 if 30 <= s < cfg.warmup_steps else 1.0), g * (5.0 if 30 <= s < cfg.warmup_steps else 1.0)) for s, loss, g in rows[:300]]
+    jump = [
+        (s, loss * (5.0 if 30 <= s < cfg.warmup_steps else 1.0), g * (5.0 if 30 <= s < cfg.warmup_steps else 1.0))
+        for s, loss, g in rows[:300]
+    ]
     assert feed(SpikeDetector(cfg), jump) == []
 
 
@@ -131,8 +137,11 @@ def test_real_spikes_from_chaos_faults():
     """Keel's `spike` fault (random-byte batches): one poisoned batch heals, eight are a spike."""
     findings = feed(SpikeDetector(SpikeConfig()), series(CHAOS))
     assert [(f.kind, f.start_step) for f in findings] == [
-        ("loss_outlier", 600), ("spike_healed", 600),
-        ("loss_outlier", 1200), ("grad_norm_spike", 1200), ("spike_confirmed", 1200),
+        ("loss_outlier", 600),
+        ("spike_healed", 600),
+        ("loss_outlier", 1200),
+        ("grad_norm_spike", 1200),
+        ("spike_confirmed", 1200),
     ], [f.message() for f in findings]
     assert findings[-1].step == 1202
 
@@ -159,9 +168,13 @@ def test_single_grad_norm_jump_warns_only_with_grad_persistence_1():
 def _spiky_run() -> list[Row]:
     """A clean run with a confirmed spike at 1200 and a blip at 1300, so states cut anywhere differ."""
     rows = series(CLEAN[1])
-    return ([r for r in rows if r[0] < 1200] + spiked(rows, 1200, "plateau", 3.0, end=1260)
-            + [r for r in rows if 1260 <= r[0] < 1300] + spiked(rows, 1300, "plateau", 4.0, end=1301)
-            + [r for r in rows if r[0] >= 1301])
+    return (
+        [r for r in rows if r[0] < 1200]
+        + spiked(rows, 1200, "plateau", 3.0, end=1260)
+        + [r for r in rows if 1260 <= r[0] < 1300]
+        + spiked(rows, 1300, "plateau", 4.0, end=1301)
+        + [r for r in rows if r[0] >= 1301]
+    )
 
 
 def _other_data(after: int) -> list[Row]:

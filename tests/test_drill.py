@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import keel
+
 from keel.monitor.store import read_events, read_steps
 
 TINY = ("--config", "tiny")
@@ -59,8 +59,24 @@ def test_every_single_process_fault_is_detected_and_recovered_with_nothing_lost(
 
 
 def test_collective_faults_recover_at_pp2_dp2_tp2(tmp_path):
-    code, report, folder, output = drill(tmp_path / "job", *TINY, "--pp", "2", "--dp", "2", "--tp", "2", "--faults", "hang;crash;slow_comm",
-                                         "--drill-steps", "16", "--fault-step", "9", "--checkpoint-every", "4")
+    code, report, folder, output = drill(
+        tmp_path / "job",
+        *TINY,
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--tp",
+        "2",
+        "--faults",
+        "hang;crash;slow_comm",
+        "--drill-steps",
+        "16",
+        "--fault-step",
+        "9",
+        "--checkpoint-every",
+        "4",
+    )
     results = by_name(report)
     assert code == 0 and report["passed"], output[-4000:]
     for name in ("hang", "crash", "slow_comm"):
@@ -85,8 +101,20 @@ def test_collective_faults_recover_at_pp2_dp2_tp2(tmp_path):
 
 
 def test_a_straggler_is_named_in_a_dp2_drill(tmp_path):
-    code, report, _, output = drill(tmp_path / "job", *TINY, "--dp", "2", "--faults", "straggler",
-                                    "--drill-steps", "24", "--fault-step", "10", "--checkpoint-every", "5")
+    code, report, _, output = drill(
+        tmp_path / "job",
+        *TINY,
+        "--dp",
+        "2",
+        "--faults",
+        "straggler",
+        "--drill-steps",
+        "24",
+        "--fault-step",
+        "10",
+        "--checkpoint-every",
+        "5",
+    )
     [r] = report["results"]
     assert code == 0 and r["status"] == "pass", output[-3000:]
     assert r["detected_by"] == "straggler" and ",rank=1," in r["faults"][0]
@@ -105,18 +133,22 @@ def test_a_drill_without_its_recovery_fails_and_says_why(tmp_path):
 
 
 def test_straggler_drills_do_not_apply_without_peers_in_a_stage(tmp_path):
-    code, report, _, _ = drill(tmp_path / "job", *TINY, "--pp", "2", "--faults", "straggler", "--drill-steps", "8", "--fault-step", "6",
-                               "--checkpoint-every", "3")
+    code, report, _, _ = drill(
+        tmp_path / "job", *TINY, "--pp", "2", "--faults", "straggler", "--drill-steps", "8", "--fault-step", "6", "--checkpoint-every", "3"
+    )
     [r] = report["results"]
     assert code == 0 and r["status"] == "n/a" and "needs 2 ranks per pipeline stage" in r["reasons"][0]
 
 
-@pytest.mark.parametrize("args, words", [
-    (("--faults", "melt"), "unknown drill 'melt'"),
-    (("--faults", "nan@step=x"), "bad value"),
-    (("--fault-rank", "4", "--dp", "2"), "--fault-rank=4: the job has ranks 0..1"),
-    (("--tp", "3"), "parallel.tp=3"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("--faults", "melt"), "unknown drill 'melt'"),
+        (("--faults", "nan@step=x"), "bad value"),
+        (("--fault-rank", "4", "--dp", "2"), "--fault-rank=4: the job has ranks 0..1"),
+        (("--tp", "3"), "parallel.tp=3"),
+    ],
+)
 def test_bad_drill_input_is_one_line_before_any_run(tmp_path, args, words):
     proc = keel("drill", "--run-dir", str(tmp_path / "job"), *TINY, *args)
     assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -126,8 +158,20 @@ def test_bad_drill_input_is_one_line_before_any_run(tmp_path, args, words):
 def test_keel_inject_hits_a_running_job(tmp_path):
     run_dir = tmp_path / "live"
     # Slow steps (a 60 ms straggler on the one rank) leave time to inject while the job runs.
-    cmd = [sys.executable, "-m", "keel.cli", "train", "--run-dir", str(run_dir), *TINY, "--steps", "80",
-           "--fault", "straggler@step=1,steps=80,ms=60", "--checkpoint.interval_steps=10"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "keel.cli",
+        "train",
+        "--run-dir",
+        str(run_dir),
+        *TINY,
+        "--steps",
+        "80",
+        "--fault",
+        "straggler@step=1,steps=80,ms=60",
+        "--checkpoint.interval_steps=10",
+    ]
     with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True) as job:
         deadline = time.time() + 120
         while time.time() < deadline and not ((run_dir / "run.sqlite").exists() and len(read_steps(run_dir)) >= 5):

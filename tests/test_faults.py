@@ -11,32 +11,50 @@ import numpy as np
 import pytest
 import torch
 
-from keel.chaos.faults import KINDS, FaultPlan, parse_fault, random_faults
+from keel.chaos.fault_specs import KINDS, parse_fault, random_faults
+from keel.chaos.faults import FaultPlan
 from keel.chaos.inject import request
 from keel.monitor.store import RunStore
 from keel.trainer.data import BatchSampler
 
 
-@pytest.mark.parametrize("spec", ["nan@step=40,rank=1", "inf@step=3,steps=3,into=grad", "nan@step=5,into=param",
-                                  "spike@step=100,steps=5", "spike@step=7,steps=3,lr=100,data=0", "data_corrupt@step=9",
-                                  "oom@step=2,rank=0", "hang@step=4,rank=1,seconds=30", "deadlock@step=4,rank=3,seconds=5",
-                                  "crash@step=11,rank=5", "segfault@step=3", "straggler@step=3,rank=1,steps=12,ms=300",
-                                  "slow_comm@step=2,rank=7,steps=10,ms=50", "ckpt_corrupt@step=12"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "nan@step=40,rank=1",
+        "inf@step=3,steps=3,into=grad",
+        "nan@step=5,into=param",
+        "spike@step=100,steps=5",
+        "spike@step=7,steps=3,lr=100,data=0",
+        "data_corrupt@step=9",
+        "oom@step=2,rank=0",
+        "hang@step=4,rank=1,seconds=30",
+        "deadlock@step=4,rank=3,seconds=5",
+        "crash@step=11,rank=5",
+        "segfault@step=3",
+        "straggler@step=3,rank=1,steps=12,ms=300",
+        "slow_comm@step=2,rank=7,steps=10,ms=50",
+        "ckpt_corrupt@step=12",
+    ],
+)
 def test_every_kind_parses_and_prints_back_the_same(spec):
     fault = parse_fault(spec)
     assert parse_fault(str(fault)) == fault
     assert fault.kind in KINDS
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("melt@step=3", ["unknown fault 'melt'", "choose one of"]),
-    ("crash@rank=1", ["has no step"]),
-    ("nan@step=3,ms=5", ["'ms' does not apply to nan", "nan takes step, steps, rank, into"]),
-    ("spike@step=3,rank=1", ["'rank' does not apply to spike"]),
-    ("nan@step=3,into=weights", ["into=weights", "choose one of ['loss', 'grad', 'param']"]),
-    ("spike@step=3,data=0", ["injects nothing", "lr=F"]),
-    ("hang@step=x", ["bad value", "step is a number"]),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("melt@step=3", ["unknown fault 'melt'", "choose one of"]),
+        ("crash@rank=1", ["has no step"]),
+        ("nan@step=3,ms=5", ["'ms' does not apply to nan", "nan takes step, steps, rank, into"]),
+        ("spike@step=3,rank=1", ["'rank' does not apply to spike"]),
+        ("nan@step=3,into=weights", ["into=weights", "choose one of ['loss', 'grad', 'param']"]),
+        ("spike@step=3,data=0", ["injects nothing", "lr=F"]),
+        ("hang@step=x", ["bad value", "step is a number"]),
+    ],
+)
 def test_bad_specs_say_what_to_fix(spec, words):
     with pytest.raises(ValueError) as e:
         parse_fault(spec)

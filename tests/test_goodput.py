@@ -24,8 +24,10 @@ def steps_frame(rows: list[tuple]) -> pd.DataFrame:
 def events_frame(rows: list[tuple]) -> pd.DataFrame:
     """Rows of (time since T0, kind, data)."""
     return pd.DataFrame(
-        [{"time": T0 + t, "step": None, "attempt": None, "rank": 0, "kind": kind, "severity": "info", "message": kind, "data": data}
-         for t, kind, data in rows],
+        [
+            {"time": T0 + t, "step": None, "attempt": None, "rank": 0, "kind": kind, "severity": "info", "message": kind, "data": data}
+            for t, kind, data in rows
+        ],
         columns=["time", "step", "attempt", "rank", "kind", "severity", "message", "data"],
     )
 
@@ -125,24 +127,29 @@ def test_end_time_overrides_the_last_record():
 
 def test_data_as_json_text_missing_columns_and_bad_values():
     steps = pd.DataFrame({"step": [1, 2], "time": [T0 + 1, T0 + 2], "step_time_s": [1.0, None]})  # no attempt, no skipped
-    events = events_frame([
-        (0, "run_started", json.dumps({"process_start": T0})),
-        (1, "checkpoint_saved", json.dumps({"blocking_s": 0.25})),
-        (1, "checkpoint_saved", "not json"),
-        (1, "checkpoint_saved", {"blocking_s": "0.5"}),  # not a number: ignored
-        (1, "checkpoint_loaded", {"load_s": float("nan")}),
-        (1, "hang", None),
-        (1, "restart", {"down_s": -1.0}),  # clocks disagreeing: no down time
-    ])
+    events = events_frame(
+        [
+            (0, "run_started", json.dumps({"process_start": T0})),
+            (1, "checkpoint_saved", json.dumps({"blocking_s": 0.25})),
+            (1, "checkpoint_saved", "not json"),
+            (1, "checkpoint_saved", {"blocking_s": "0.5"}),  # not a number: ignored
+            (1, "checkpoint_loaded", {"load_s": float("nan")}),
+            (1, "hang", None),
+            (1, "restart", {"down_s": -1.0}),  # clocks disagreeing: no down time
+        ]
+    )
     g = compute_goodput(steps, events)
     assert g == Goodput(wall_s=2.0, productive_s=1.0, lost_s=lost(checkpoint=0.25, other=0.75))
 
 
-@pytest.mark.parametrize("steps, events", [
-    (pd.DataFrame(), pd.DataFrame()),
-    (steps_frame([]), events_frame([])),
-    (steps_frame([]), events_frame([(0, "run_started", {"process_start": T0})])),
-])
+@pytest.mark.parametrize(
+    "steps, events",
+    [
+        (pd.DataFrame(), pd.DataFrame()),
+        (steps_frame([]), events_frame([])),
+        (steps_frame([]), events_frame([(0, "run_started", {"process_start": T0})])),
+    ],
+)
 def test_a_run_without_steps_or_records_is_all_zeros(steps, events):
     g = compute_goodput(steps, events)
     assert g == Goodput(wall_s=0.0, productive_s=0.0, lost_s=lost())

@@ -13,7 +13,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 COMPONENTS = ("trainer", "monitor", "chaos", "dashboard")
@@ -66,12 +65,20 @@ def installed_wheel(tmp_path_factory) -> Path:
     # Built from a copy of the sources: setuptools writes build/ and *.egg-info beside them.
     source = out / "source"
     shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "build", "*.egg-info", "__pycache__"))
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-w", str(out / "dist")],
-                           capture_output=True, text=True, timeout=600)
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-w", str(out / "dist")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     (wheel,) = (out / "dist").glob("keel-*.whl")
-    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(out / "site"), str(wheel)],
-                             capture_output=True, text=True, timeout=600)
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(out / "site"), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
     return out
 
@@ -79,8 +86,15 @@ def installed_wheel(tmp_path_factory) -> Path:
 def test_wheel_holds_the_keel_namespace_and_package_data(installed_wheel):
     (wheel,) = (installed_wheel / "dist").glob("keel-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for expected in ("keel/trainer/train.py", "keel/monitor/store.py", "keel/chaos/drill.py", "keel/dashboard/__init__.py",
-                     "keel/cli/__init__.py", "keel/trainer/presets/small.toml", "keel/monitor/alerting/keel-rules.yml"):
+    for expected in (
+        "keel/trainer/train.py",
+        "keel/monitor/store.py",
+        "keel/chaos/drill.py",
+        "keel/dashboard/__init__.py",
+        "keel/cli/__init__.py",
+        "keel/trainer/presets/small.toml",
+        "keel/monitor/alerting/keel-rules.yml",
+    ):
         assert expected in names
     assert "keel/__init__.py" not in names  # a namespace package
     assert not any(n.split("/")[0] in (*COMPONENTS, "cli", "tests") for n in names), "bare top-level packages in the wheel"
@@ -95,8 +109,14 @@ def test_regular_install_imports_and_runs_from_anywhere(installed_wheel, tmp_pat
     assert imported.returncode == 0, imported.stderr
     assert imported.stdout.strip().startswith(str(site / "keel" / "trainer")), imported.stdout
     # The `keel` command, the presets (a config error is only found after the preset loaded) and the alert rules.
-    command = subprocess.run([str(site / "bin" / "keel"), "train", "--config", "tiny", "--dp", "3"], cwd=cwd, env=env,
-                             capture_output=True, text=True, timeout=120)
+    command = subprocess.run(
+        [str(site / "bin" / "keel"), "train", "--config", "tiny", "--dp", "3"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert command.returncode == 2 and "training.global_batch_size=8 does not divide" in command.stderr, command.stderr
     rules = "from importlib import resources; print((resources.files('keel.monitor') / 'alerting' / 'keel-rules.yml').is_file())"
     assert subprocess.run([sys.executable, "-c", rules], cwd=cwd, env=env, capture_output=True, text=True).stdout.strip() == "True"

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import subprocess
+import sys
 from pathlib import Path
 
-from keel.monitor.store import read_meta, read_steps
 from servers import WebhookReceiver, free_port
+
+from keel.monitor.store import read_meta, read_steps
 
 WEBHOOK_TOKEN = "T0KEN-abc123-do-not-leak"
 WANDB_KEY = "f" * 32 + "-fake-wandb-key"
@@ -19,7 +20,10 @@ WANDB_KEY = "f" * 32 + "-fake-wandb-key"
 def train(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "keel.cli", "train", "--config", "tiny", "--pp", "1", "--steps", "8", "--run-dir", str(run_dir), *args],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})},
     )
 
 
@@ -55,8 +59,13 @@ def test_no_secret_reaches_the_run_directory_logs_or_wandb(tmp_path):
     with WebhookReceiver() as hook:
         secret_url = f"{hook.url}/{WEBHOOK_TOKEN}"
         proc = train(
-            tmp_path / "run", f"--monitor.webhook_url={secret_url}", "--monitor.wandb=true", "--monitor.wandb_mode=offline",
-            "--fault", "nan@step=3", env={"WANDB_API_KEY": WANDB_KEY, "HOME": str(tmp_path / "home")},
+            tmp_path / "run",
+            f"--monitor.webhook_url={secret_url}",
+            "--monitor.wandb=true",
+            "--monitor.wandb_mode=offline",
+            "--fault",
+            "nan@step=3",
+            env={"WANDB_API_KEY": WANDB_KEY, "HOME": str(tmp_path / "home")},
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         # The secret URL worked: the NaN alert was delivered to it.

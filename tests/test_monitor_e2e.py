@@ -12,8 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from keel.monitor.store import read_events, read_steps
 from servers import WebhookReceiver, free_port, start_alertmanager, start_prometheus
+
+from keel.monitor.store import read_events, read_steps
 
 RULES = Path(__file__).resolve().parents[1] / "monitor" / "alerting" / "keel-rules.yml"
 STEPS, NAN_STEP = 60, 45
@@ -37,18 +38,41 @@ def scalar(prometheus, promql: str) -> float | None:
 def test_prometheus_scrapes_the_run_and_alertmanager_delivers_the_nan_alert(tmp_path):
     port = free_port()
     run_dir = tmp_path / "run"
-    with WebhookReceiver() as hook, start_alertmanager(tmp_path / "am", hook.url) as am, \
-            start_prometheus(tmp_path / "prom", [f"127.0.0.1:{port}"], [str(RULES)], am.url) as prom:
+    with (
+        WebhookReceiver() as hook,
+        start_alertmanager(tmp_path / "am", hook.url) as am,
+        start_prometheus(tmp_path / "prom", [f"127.0.0.1:{port}"], [str(RULES)], am.url) as prom,
+    ):
         train = subprocess.Popen(
-            [sys.executable, "-m", "keel.cli", "train", "--config", "tiny", "--pp", "1", "--steps", str(STEPS),
-             "--run-dir", str(run_dir), "--run.run_id=e2e", f"--monitor.prometheus_port={port}",
-             "--monitor.prometheus_linger_s=120", "--fault", f"nan@step={NAN_STEP},rank=0"],
-            stdout=subprocess.DEVNULL, stderr=(tmp_path / "train.stderr").open("w"), start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "keel.cli",
+                "train",
+                "--config",
+                "tiny",
+                "--pp",
+                "1",
+                "--steps",
+                str(STEPS),
+                "--run-dir",
+                str(run_dir),
+                "--run.run_id=e2e",
+                f"--monitor.prometheus_port={port}",
+                "--monitor.prometheus_linger_s=120",
+                "--fault",
+                f"nan@step={NAN_STEP},rank=0",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=(tmp_path / "train.stderr").open("w"),
+            start_new_session=True,
             env={**os.environ, "PYTHONWARNINGS": "ignore"},
         )
         try:
             # Scrapes arrive while the run trains, and the final state stays up while the run lingers.
-            wait_until(lambda: scalar(prom, 'keel_step{run_id="e2e"}') == STEPS or train.poll() is not None, 180, "the last step in Prometheus")
+            wait_until(
+                lambda: scalar(prom, 'keel_step{run_id="e2e"}') == STEPS or train.poll() is not None, 180, "the last step in Prometheus"
+            )
             assert train.poll() is None, (tmp_path / "train.stderr").read_text()[-3000:]
             steps = read_steps(run_dir, effective=True)
             last = steps.iloc[-1]
@@ -69,9 +93,12 @@ def test_prometheus_scrapes_the_run_and_alertmanager_delivers_the_nan_alert(tmp_
             assert scalar(prom, 'keel_step_duration_seconds_count{run_id="e2e"}') == STEPS
 
             alert = wait_until(
-                lambda: next((a for body in hook.received for a in body.get("alerts", [])
-                              if a["labels"].get("alertname") == "KeelNonFiniteLoss"), None),
-                60, "Alertmanager to deliver KeelNonFiniteLoss",
+                lambda: next(
+                    (a for body in hook.received for a in body.get("alerts", []) if a["labels"].get("alertname") == "KeelNonFiniteLoss"),
+                    None,
+                ),
+                60,
+                "Alertmanager to deliver KeelNonFiniteLoss",
             )
             assert alert["status"] == "firing"
             assert alert["labels"]["run_id"] == "e2e" and alert["labels"]["severity"] == "critical"

@@ -7,15 +7,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import train
+
 from keel.monitor.store import read_meta
 
 LAYOUTS = {
     "dp2": ["--dp", "2"],
     "tp2": ["--tp", "2"],
     "pp2-1F1B": ["--pp", "2", "--parallel.pp_schedule=1F1B"],
-    "pp2-interleaved-v2": ["--pp", "2", "--parallel.pp_schedule=Interleaved1F1B", "--parallel.pp_virtual_stages=2", "--training.microbatches=4"],
+    "pp2-interleaved-v2": [
+        "--pp",
+        "2",
+        "--parallel.pp_schedule=Interleaved1F1B",
+        "--parallel.pp_virtual_stages=2",
+        "--training.microbatches=4",
+    ],
     "pp2-gpipe": ["--pp", "2", "--parallel.pp_schedule=GPipe"],
     "dp2-zero2": ["--dp", "2", "--parallel.dp_mode=zero2"],
     "dp2-tp2-replicate": ["--dp", "2", "--tp", "2", "--parallel.dp_mode=replicate"],

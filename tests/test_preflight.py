@@ -7,7 +7,6 @@ import json
 import re
 
 import pytest
-
 from conftest import keel
 
 
@@ -30,8 +29,21 @@ def number(pattern: str, text: str) -> float:
 
 def test_preflight_passes_for_a_pipeline_and_data_parallel_job(tmp_path):
     # Preflight's own options mixed with keel train's flags and a dotted override.
-    proc = keel("preflight", "--config", "tiny", "--timeout", "60", "--pp", "2", "--dp", "2", "--min-bandwidth-gbps", "0.001",
-                "--optim.lr=3e-3", cwd=tmp_path)
+    proc = keel(
+        "preflight",
+        "--config",
+        "tiny",
+        "--timeout",
+        "60",
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--min-bandwidth-gbps",
+        "0.001",
+        "--optim.lr=3e-3",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     rows = table(proc.stdout)
     # A bandwidth row for each mesh dim larger than 1, and no other.
@@ -61,7 +73,12 @@ def test_failing_checks_exit_1_name_the_checks_and_are_saved(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
     rows = table(proc.stdout)
     assert {name: result for name, (result, _) in rows.items()} == {
-        "ranks reachable": "PASS", "bandwidth dp": "PASS", "checkpoint disk": "FAIL", "memory": "FAIL", "overfit": "SKIP"}
+        "ranks reachable": "PASS",
+        "bandwidth dp": "PASS",
+        "checkpoint disk": "FAIL",
+        "memory": "FAIL",
+        "overfit": "SKIP",
+    }
     assert "is a file, not a directory" in rows["checkpoint disk"][1]
     assert "but only 1 KB (--memory-limit-bytes" in rows["memory"][1]
     assert "2 of 5 checks failed: checkpoint disk, memory" in proc.stdout
@@ -74,10 +91,13 @@ def test_failing_checks_exit_1_name_the_checks_and_are_saved(tmp_path):
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "preflight.json"]
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--tp", "3"], ["parallel.tp=3", "choose tp from [1, 2, 4]"]),  # keel train's validation
-    (["--overfit-steps", "1"], ["--overfit-steps=1", "at least 2"]),  # preflight's own
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--tp", "3"], ["parallel.tp=3", "choose tp from [1, 2, 4]"]),  # keel train's validation
+        (["--overfit-steps", "1"], ["--overfit-steps=1", "at least 2"]),  # preflight's own
+    ],
+)
 def test_bad_input_is_one_line_before_any_worker(tmp_path, args, expected):
     proc = keel("preflight", "--config", "tiny", *args, cwd=tmp_path)
     assert proc.returncode == 2 and proc.stdout == ""  # the launcher announces the workers only once the input is good

@@ -9,8 +9,22 @@ from prometheus_client.parser import text_string_to_metric_families
 from keel.monitor import metrics
 from keel.monitor.prometheus import PrometheusSink
 
-ROW = {"step": 7, "attempt": 1, "time": 1.7e9, "loss": 2.5, "grad_norm": 0.8, "lr": 1e-3, "tokens": 7168, "tokens_per_s": 4096.0,
-       "mfu": 0.41, "comm_share": 0.12, "step_time_s": 0.25, "data_time_s": 0.001, "mem_peak_bytes": 2**30, "skipped": 0}
+ROW = {
+    "step": 7,
+    "attempt": 1,
+    "time": 1.7e9,
+    "loss": 2.5,
+    "grad_norm": 0.8,
+    "lr": 1e-3,
+    "tokens": 7168,
+    "tokens_per_s": 4096.0,
+    "mfu": 0.41,
+    "comm_share": 0.12,
+    "step_time_s": 0.25,
+    "data_time_s": 0.001,
+    "mem_peak_bytes": 2**30,
+    "skipped": 0,
+}
 RANKS = [{"step": 7, "attempt": 1, "rank": r, "step_time_s": 0.25 + r / 100} for r in range(2)]
 
 
@@ -39,5 +53,10 @@ def test_every_vocabulary_metric_is_exported_with_run_id():
     assert samples["keel_nonfinite_steps_total"].value == 2
     assert samples["keel_rollbacks_total"].value == 1 and samples["keel_loss_spikes_total"].value == 0
     assert samples["keel_alerts_total"].labels == {"run_id": "r1", "kind": "nonfinite_loss", "severity": "critical"}
-    ranks = {s.labels["rank"]: s.value for s in text_string_to_metric_families(text) if s.name == "keel_rank_step_duration_seconds" for s in s.samples}
+    ranks = {
+        s.labels["rank"]: s.value
+        for s in text_string_to_metric_families(text)
+        if s.name == "keel_rank_step_duration_seconds"
+        for s in s.samples
+    }
     assert ranks == {"0": 0.25, "1": 0.26}

@@ -6,11 +6,12 @@ are in test_drill.py, where the drill compares them with a reference run.)"""
 from __future__ import annotations
 
 import numpy as np
-
 from conftest import keel, train
+
+from keel.monitor.exits import EXIT_ROLLBACK_CAP
+from keel.monitor.run_dir import list_checkpoints
 from keel.monitor.store import read_events, read_steps
-from keel.trainer.checkpoint import list_checkpoints, verify
-from keel.trainer.exits import EXIT_ROLLBACK_CAP
+from keel.trainer.checkpoint import verify
 
 TINY = ["--config", "tiny", "--monitor.prometheus=false"]
 
@@ -28,8 +29,20 @@ def test_corrupt_checkpoint_falls_back_to_previous(tmp_path):
     run_dir = tmp_path / "run"
     # A run of 16 steps that dies at step 13, with no restarts left: checkpoints of steps 4, 8 and 12
     # (saved synchronously, so the save of step 12 is surely complete when the crash comes).
-    proc = keel("train", "--run-dir", str(run_dir), *TINY, "--steps", "16", "--checkpoint.interval_steps=4", "--checkpoint.async_save=false",
-                "--fault", "crash@step=13", "--max-restarts", "0")
+    proc = keel(
+        "train",
+        "--run-dir",
+        str(run_dir),
+        *TINY,
+        "--steps",
+        "16",
+        "--checkpoint.interval_steps=4",
+        "--checkpoint.async_save=false",
+        "--fault",
+        "crash@step=13",
+        "--max-restarts",
+        "0",
+    )
     assert proc.returncode != 0
     first = read_steps(run_dir)
     assert [s for s, _ in list_checkpoints(run_dir)] == [4, 8, 12]
@@ -117,8 +130,17 @@ def test_spike_without_data_skip_hits_the_rollback_cap(tmp_path):
     """With the data skip turned off the poisoned batches come back after every rollback: the run must stop
     with the rollback-cap exit code and an alert, not loop."""
     run_dir = tmp_path / "run"
-    proc = keel("train", "--run-dir", str(run_dir), *SPIKE_RUN, "--fault", "spike@step=100,steps=5",
-                "--recovery.skip_margin=0", "--recovery.max_rollbacks=2", "--recovery.skip_data=false")
+    proc = keel(
+        "train",
+        "--run-dir",
+        str(run_dir),
+        *SPIKE_RUN,
+        "--fault",
+        "spike@step=100,steps=5",
+        "--recovery.skip_margin=0",
+        "--recovery.max_rollbacks=2",
+        "--recovery.skip_data=false",
+    )
     assert proc.returncode == EXIT_ROLLBACK_CAP, proc.stderr[-3000:]
     assert len(events_of(run_dir, "rollback")) == 2
     stopped = events_of(run_dir, "run_stopped").iloc[0]
@@ -145,5 +167,3 @@ def test_oom_with_collectives_restarts_with_half_the_micro_batch(tmp_path):
     assert list(run.step) == list(range(1, 21)) and list(run.tokens) == list(ref.tokens)
     after = run.step > 4  # resumed from the checkpoint of step 4 with two micro-batches
     np.testing.assert_allclose(run[after].loss, ref[after].loss, rtol=1e-5)
-
-

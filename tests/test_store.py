@@ -58,8 +58,14 @@ def test_steps_rank_rows_events_and_meta_round_trip(tmp_path):
         # Optional columns may be left out, and numpy scalars and bools are accepted.
         store.write_step(dict(step=2, attempt=0, loss=np.float32(0.5), tokens=np.int64(8), skipped=True))
         store.write_event(
-            "rollback", "loss spike", severity="warning", step=2, attempt=0, rank=0,
-            data={"to_step": 1, "z": np.float32(7.5)}, time=123.0,
+            "rollback",
+            "loss spike",
+            severity="warning",
+            step=2,
+            attempt=0,
+            rank=0,
+            data={"to_step": 1, "z": np.float32(7.5)},
+            time=123.0,
         )
         store.write_event("checkpoint_saved", "saved step 1")
         store.set_meta("run_id", "run-1")
@@ -151,9 +157,7 @@ time.sleep(60)
 def test_sigkilled_writer_leaves_every_committed_step_readable(tmp_path):
     n = 50
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    writer = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(tmp_path), str(n)], stdout=subprocess.PIPE, text=True, env=env
-    )
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(n)], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert writer.stdout.readline().strip() == "committed"
         writer.send_signal(signal.SIGKILL)
@@ -202,9 +206,7 @@ def rolled_back_run(tmp_path) -> Path:
 def test_metrics_prints_the_effective_table(rolled_back_run, capsys):
     assert metrics_cli.main([str(rolled_back_run)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == [
-        "step", "attempt", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "comm_share", "step_time_s"
-    ]
+    assert lines[0].split() == ["step", "attempt", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "comm_share", "step_time_s"]
     assert [line.split() for line in lines[1:]] == [
         ["1", "0", "4", "1.5", "0.0003", "12346", "0.41", "0.125", "0.25"],
         ["2", "1", "1.875", "1.5", "0.0003", "12346", "0.41", "-", "0.25"],

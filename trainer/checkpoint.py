@@ -16,11 +16,11 @@ import importlib.metadata
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
@@ -33,30 +33,15 @@ from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from keel.monitor.run_dir import CHECKPOINT_DIR, MANIFEST, checkpoint_name, list_checkpoints
 from keel.trainer.config import CheckpointConfig, JobConfig
 
 log = logging.getLogger("keel.checkpoint")
-# A single process saves without a process group on purpose; DCP warns about it on every save.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-CHECKPOINT_DIR = "checkpoints"
-MANIFEST = "manifest.json"
-_NAME = re.compile(r"^step-(\d{8})$")
 # Optimizer state and param-group settings keyed by parameter name ("param_groups.layers.3...lr"). The
 # nested form keys groups by position, and pipeline stages have different groups under the same
 # position: DCP would keep one stage's and hand it to every rank.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """Finished checkpoints of a run, oldest first (unverified)."""
-    folder = Path(run_dir) / CHECKPOINT_DIR
-    found = [(int(m.group(1)), p) for p in folder.glob("step-*") if (m := _NAME.match(p.name)) and p.is_dir()]
-    return sorted(found)
 
 
 def _sha256(path: Path) -> str:
@@ -129,9 +114,25 @@ class Checkpointer:
     """Saves and loads this rank's share of the model and optimizer. Every method is called by all
     ranks at the same step (the decisions come from agreed values), except `poll`, which only rank 0 uses."""
 
-    def __init__(self, cfg: CheckpointConfig, run_dir: str | Path, parts: list[nn.Module], optimizer: torch.optim.Optimizer,
-                 rank: int, world: int, manifest_info: dict):
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        run_dir: str | Path,
+        parts: list[nn.Module],
+        optimizer: torch.optim.Optimizer,
+        rank: int,
+        world: int,
+        manifest_info: dict,
+    ):
         self.cfg, self.rank, self.world = cfg, rank, world
+        if world == 1:
+            # One process saves and loads without a process group on purpose; DCP warns about it on every
+            # call, an async save from DCP's own upload thread, later: no catch_warnings block around our
+            # calls would cover that. So the filter comes with the checkpointer, not the import, and
+            # matches DCP's message from DCP only.
+            warnings.filterwarnings(
+                "ignore", message="torch.distributed is disabled, unavailable or uninitialized", module=r"torch\.distributed\.checkpoint"
+            )
         self.dir = Path(run_dir) / CHECKPOINT_DIR
         self.model, self.optimizer = WholeModel(parts), optimizer
         self.manifest_info = manifest_info  # config hash, data version, code version
@@ -142,15 +143,20 @@ class Checkpointer:
         # them anew made every save block four times longer).
         self._stage_thread = ThreadPoolExecutor(1, thread_name_prefix="keel-ckpt-stage")
         cuda = torch.cuda.is_available()
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
-                                                   use_non_blocking_copy=cuda)) if cfg.async_save else None
+        self.stager = (
+            DefaultStager(
+                StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda)
+            )
+            if cfg.async_save
+            else None
+        )
         self.staging: Future | None = None  # staging, then DCP's upload future
         self.blocking_s = 0.0  # how long training waited for the save in flight
         self._finalized = threading.Event()
         self._finalized.set()
         self._results: list[SaveResult] = []
         self._lock = threading.Lock()
-        self.last_step, self.last_time = 0, time.time()
+        self.saved_step, self.saved_time = 0, time.time()  # the state on disk (saved, or just loaded), and when
         self.corrupt: list[str] = []
 
     @property
@@ -159,13 +165,21 @@ class Checkpointer:
 
     # -- saving ---------------------------------------------------------------------------------
 
-    def due(self, step: int, now: float) -> bool:
-        """Whether a save is due after `step`; `now` must be the same on every rank (an agreed time)."""
-        if step <= self.last_step:
-            return False  # this state is already on disk (the checkpoint just restored)
-        by_steps = self.cfg.interval_steps > 0 and step - self.last_step >= self.cfg.interval_steps
-        by_time = self.cfg.interval_minutes > 0 and now - self.last_time >= 60 * self.cfg.interval_minutes
-        return by_steps or by_time
+    def maybe_save(
+        self, step: int, now: float, last_step: bool, train_state: Callable[[], dict], before_save: Callable[[], None] = lambda: None
+    ) -> bool:
+        """Saves the state after `step` when a save is due: interval_steps or interval_minutes after the
+        state on disk, and after the run's last step whenever checkpointing is on. `now` must be the same
+        on every rank (an agreed time). When saving, calls `before_save()`, then `train_state()` for the
+        manifest. Returns whether a save started."""
+        by_steps = self.cfg.interval_steps > 0 and step - self.saved_step >= self.cfg.interval_steps
+        by_time = self.cfg.interval_minutes > 0 and now - self.saved_time >= 60 * self.cfg.interval_minutes
+        # The interval does not apply to a step already on disk (the checkpoint just restored).
+        if not ((step > self.saved_step and (by_steps or by_time)) or (last_step and self.enabled)):
+            return False
+        before_save()
+        self.save(step, train_state(), now)
+        return True
 
     def _state(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
@@ -188,9 +202,10 @@ class Checkpointer:
         if self.world > 1:
             dist.barrier()
         state = self._state()
-        self.last_step, self.last_time = step, now
+        self.saved_step, self.saved_time = step, now
         self._finalized.clear()
         if self.cfg.async_save:
+
             def stage_and_start() -> Future:
                 return dcp.async_save(state, checkpoint_id=tmp, process_group=self.group, async_stager=self.stager)
 
@@ -260,7 +275,7 @@ class Checkpointer:
         found = list_checkpoints(self.dir.parent)
         if not found:
             return []
-        keep = {p for _, p in found[-self.cfg.keep:]}
+        keep = {p for _, p in found[-self.cfg.keep :]}
         newest = found[-1][0]
         older = [p for s, p in found if s <= newest - self.cfg.keep_lookback_steps]
         if older:
@@ -316,7 +331,7 @@ class Checkpointer:
         if torch.cuda.is_available():
             torch.cuda.set_rng_state(state["rng"][f"cuda_rank{self.rank}"])
         manifest = json.loads((path / MANIFEST).read_text())
-        self.last_step, self.last_time = step, time.time()
+        self.saved_step, self.saved_time = step, time.time()
         if self.world > 1:
             dist.barrier()
         return Restored(step, path, manifest["train_state"], time.perf_counter() - started, corrupt)

@@ -1,7 +1,9 @@
 """Job configuration: dataclasses, TOML presets, dotted command-line overrides, and validation.
 
 Everything a worker needs is in one `JobConfig`. It is loaded and validated in the launcher, before
-any process starts, so that bad input ends in one line naming the field and the fix.
+any process starts, so that bad input ends in one line naming the field and the fix. The parser checks
+each value against its field's type (a Literal lists the choices); each section's validate() checks its
+own fields, and validate(cfg) adds the checks that span sections.
 """
 
 from __future__ import annotations
@@ -10,14 +12,24 @@ import dataclasses
 import difflib
 import os
 import tomllib
+import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+from keel.chaos.fault_specs import KINDS, parse_fault
+from keel.monitor.config_fields import WandbMode, at_least
 from keel.monitor.detectors import SpikeConfig
 from keel.monitor.redact import redact
 from keel.monitor.stragglers import StragglerConfig
+from keel.trainer.model_args import MODEL_PRESETS, model_args
+
+# The choices of the enum-like settings, here only: the parser (_coerce) rejects any other value.
+PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]  # torch.distributed.pipelining's schedule names
+DataParallelMode = Literal["zero3", "zero2", "replicate"]
+TrainingDtype = Literal["auto", "fp32", "bf16"]
 
 
 class ConfigError(ValueError):
@@ -26,13 +38,20 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    # A named shape from keel.trainer.model.MODEL_PRESETS; the fields below override it when set.
+    # A named shape from keel.trainer.model_args.MODEL_PRESETS; the fields below override it when set.
     preset: str = "tiny"
     dim: int | None = None
     n_layers: int | None = None
     n_heads: int | None = None
     n_kv_heads: int | None = None
     ffn_dim: int | None = None
+
+    def validate(self) -> None:
+        if self.preset not in MODEL_PRESETS:
+            raise ConfigError(f"model.preset={self.preset!r}: choose one of {sorted(MODEL_PRESETS)}")
+        for name, value in vars(self).items():
+            if name != "preset" and value is not None:
+                at_least(f"model.{name}", value, 1)
 
 
 @dataclass
@@ -45,6 +64,12 @@ class DataConfig:
     # run's rollback skipped, for a like-for-like comparison (the rollback event says which batches).
     skip_batches: list[str] = field(default_factory=list)
 
+    def validate(self) -> None:
+        from keel.trainer.data import parse_skip_ranges  # here, not at the top: keel.trainer.data imports this module
+
+        at_least("data.seq_len", self.seq_len, 1)
+        parse_skip_ranges(self.skip_batches)
+
 
 @dataclass
 class TrainingConfig:
@@ -52,7 +77,11 @@ class TrainingConfig:
     global_batch_size: int = 8  # sequences per optimizer step, over all dp ranks
     microbatches: int = 1  # per dp rank; the pipeline schedule's n_microbatches when pp > 1
     seed: int = 0
-    dtype: str = "auto"  # auto: bf16 mixed precision on CUDA, fp32 on CPU
+    dtype: TrainingDtype = "auto"  # auto: bf16 mixed precision on CUDA, fp32 on CPU
+
+    def validate(self) -> None:
+        at_least("training.steps", self.steps, 1)
+        at_least("training.microbatches", self.microbatches, 1)
 
 
 @dataclass
@@ -66,21 +95,45 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
 
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr={self.lr}: must be positive")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps={self.warmup_steps}: must be 0 or more")
+
 
 @dataclass
 class ParallelConfig:
     pp: int = 1
     dp: int = 1
     tp: int = 1
-    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B
+    pp_schedule: PipelineSchedule = "1F1B"
     pp_virtual_stages: int = 1  # v stages per pp rank; more than 1 only with Interleaved1F1B
-    dp_mode: str = "zero3"  # zero3 | zero2 | replicate
+    dp_mode: DataParallelMode = "zero3"  # zero3 | zero2: FSDP2 (ZeRO-3 | ZeRO-2); replicate: gradients all-reduced
+
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages of the whole model, over all pp ranks."""
+        return self.pp * self.pp_virtual_stages
+
+    def validate(self) -> None:
+        for name in ("pp", "dp", "tp", "pp_virtual_stages"):
+            at_least(f"parallel.{name}", getattr(self, name), 1)
+        if self.pp_virtual_stages > 1 and self.pp_schedule != "Interleaved1F1B":
+            raise ConfigError(
+                f"parallel.pp_virtual_stages={self.pp_virtual_stages}: virtual stages need "
+                f"parallel.pp_schedule=Interleaved1F1B, or set pp_virtual_stages=1"
+            )
 
 
 @dataclass
 class MetricsConfig:
     log_every: int = 1  # console progress line
     comm_sample_every: int = 10  # profile one step in this many to measure comm_share
+
+    def validate(self) -> None:
+        if self.comm_sample_every < 1 or self.log_every < 1:
+            raise ConfigError("metrics.comm_sample_every and metrics.log_every must be at least 1")
 
 
 @dataclass
@@ -92,21 +145,34 @@ class MonitorConfig:
     pushgateway_url: str = ""  # push the final state here at the end (short jobs)
     wandb: bool = False
     wandb_project: str = "keel"
-    wandb_mode: str = "auto"  # auto: online with an API key, offline without; offline | online | disabled
+    wandb_mode: WandbMode = "auto"  # auto: online with an API key, offline without
     wandb_min_interval_s: float = 1.0  # at most one W&B log per this many seconds (every step if steps are slower)
     webhook_url: str = ""  # Slack-compatible incoming webhook for Keel's alerts (a secret: never written out)
     alert_throttle_s: float = 300.0  # one alert of a kind per this many seconds
     sink_queue_size: int = 1000  # per sink; when full, metrics are dropped and counted, training never waits
+
+    def validate(self) -> None:
+        if not 0 <= self.prometheus_port < 65536:
+            raise ConfigError(f"monitor.prometheus_port={self.prometheus_port}: choose a port in 1-65535 (0: any free port)")
 
 
 @dataclass
 class CheckpointConfig:
     # A save starts when either interval is reached (0 turns that interval off). Both off: no checkpoints.
     interval_steps: int = 0
-    interval_minutes: float = 30.0  # the seed chapter's default
+    # Young's rule (J. W. Young, "A first order approximation to the optimum checkpoint interval", 1974):
+    # interval = sqrt(2 * save time * mean time between failures); a 1-minute save and a failure every
+    # 8 hours give 31 minutes.
+    interval_minutes: float = 30.0
     keep: int = 3  # the newest K checkpoints are kept ...
     keep_lookback_steps: int = 200  # ... plus the newest one at least this many steps older, for a rollback past them
     async_save: bool = True  # training goes on while the shards are written
+
+    def validate(self) -> None:
+        at_least("checkpoint.interval_steps", self.interval_steps, 0, "0 turns step-based saves off")
+        at_least("checkpoint.interval_minutes", self.interval_minutes, 0, "0 turns time-based saves off")
+        at_least("checkpoint.keep", self.keep, 1)
+        at_least("checkpoint.keep_lookback_steps", self.keep_lookback_steps, 0)
 
 
 @dataclass
@@ -120,6 +186,14 @@ class RecoveryConfig:
     max_rollbacks: int = 3  # rollbacks without getting past the last rollback's step before the run stops
     oom_halve_microbatch: bool = True  # on out-of-memory, retry with half the micro-batch (twice the micro-batches)
 
+    def validate(self) -> None:
+        at_least("recovery.nonfinite_limit", self.nonfinite_limit, 1)
+        at_least("recovery.skip_margin", self.skip_margin, 0)
+        at_least("recovery.max_rollbacks", self.max_rollbacks, 0)
+        at_least("recovery.lr_factor_steps", self.lr_factor_steps, 0)
+        if not 0 < self.lr_factor <= 1:
+            raise ConfigError(f"recovery.lr_factor={self.lr_factor}: must be in (0, 1]; 1 keeps the LR after a rollback")
+
 
 @dataclass
 class WatchdogConfig:
@@ -130,6 +204,13 @@ class WatchdogConfig:
     startup_s: float = 600.0  # start-up until the first step ends: process group, model build, resume
     checkpoint_s: float = 600.0  # a checkpoint save or load
     poll_s: float = 1.0  # how often the watchdog looks
+
+    def validate(self) -> None:
+        for name in ("floor_s", "startup_s", "checkpoint_s", "poll_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"watchdog.{name}={getattr(self, name)}: must be positive (seconds)")
+        at_least("watchdog.step_factor", self.step_factor, 1.0)
+        at_least("watchdog.warmup_steps", self.warmup_steps, 0)
 
 
 @dataclass
@@ -142,12 +223,23 @@ class ChaosConfig:
     random_kinds: list[str] = field(default_factory=lambda: ["nan", "crash", "hang", "oom"])
     random_seed: int = 0
 
+    def validate(self) -> None:
+        for spec in self.faults:
+            parse_fault(spec)
+        at_least("chaos.mtbf_steps", self.mtbf_steps, 0, "0 turns random faults off")
+        for kind in self.random_kinds:
+            if kind not in KINDS:
+                raise ConfigError(f"chaos.random_kinds: unknown fault '{kind}'; choose from {list(KINDS)}")
+
 
 @dataclass
 class RunConfig:
     run_dir: str = ""  # default: runs/<run_id>
     run_id: str = ""  # default: a timestamp
     resume: bool = False  # start from the newest good checkpoint in run_dir (keel train --resume RUN_DIR)
+
+    def validate(self) -> None:
+        """Nothing to check without the disk: the launcher checks run_dir with check_run_dir."""
 
 
 @dataclass
@@ -175,11 +267,6 @@ class JobConfig:
         return dataclasses.asdict(self)
 
 
-PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
-DP_MODES = ("zero3", "zero2", "replicate")
-DTYPES = ("auto", "fp32", "bf16")
-
-
 def preset_names() -> list[str]:
     folder = resources.files("keel.trainer") / "presets"
     return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
@@ -203,32 +290,46 @@ def _read_toml(source: str) -> tuple[dict, str]:
         raise ConfigError(f"--config {source}: invalid TOML ({e}); fix the file") from None
 
 
-def _coerce(key: str, value: Any, annotation: str) -> Any:
-    """Converts a TOML value or a command-line string to the field's type."""
-    kind = annotation.replace(" | None", "")
+def _to_int(value: Any) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError  # int() would read true as 1 and cut 2.5 to 2
+    return int(value)
+
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, str):
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise ValueError
+        return value.lower() in ("true", "1")
+    return bool(value)
+
+
+# How a TOML value or a command-line string becomes a field of each scalar type.
+_SCALAR_PARSERS: dict[type, Callable[[Any], Any]] = {int: _to_int, float: float, bool: _to_bool, str: str}
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Converts a TOML value or a command-line string to the field's type (its evaluated annotation)."""
     if value is None:
         return None
-    if kind == "list[str]":
+    inner = [a for a in get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) and len(inner) == 1:  # X | None: a field that may stay unset
+        annotation = inner[0]
+    if get_origin(annotation) is Literal:
+        if value not in get_args(annotation):
+            raise ConfigError(f"{key}={value!r}: choose one of {list(get_args(annotation))}")
+        return value
+    if annotation == list[str]:
         items = value.split(";") if isinstance(value, str) else value
         if not isinstance(items, list):
             raise ConfigError(f"{key}={value!r}: expected a list of strings; fix the value")
         return [str(v).strip() for v in items if str(v).strip()]
+    if annotation not in _SCALAR_PARSERS:
+        raise TypeError(f"{key}: the config parser cannot read a field annotated {annotation}; give _coerce a case for it")
     try:
-        if kind == "int":
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError
-            return int(value)
-        if kind == "float":
-            return float(value)
-        if kind == "bool":
-            if isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError
-                return value.lower() in ("true", "1")
-            return bool(value)
-        return str(value)
+        return _SCALAR_PARSERS[annotation](value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{key}={value!r}: expected {kind}; fix the value") from None
+        raise ConfigError(f"{key}={value!r}: expected {annotation.__name__}; fix the value") from None
 
 
 def _apply(cfg: JobConfig, section: str, key: str, value: Any) -> None:
@@ -243,7 +344,7 @@ def _apply(cfg: JobConfig, section: str, key: str, value: Any) -> None:
         close = difflib.get_close_matches(key, fields, n=1)
         hint = f"did you mean '{section}.{close[0]}'?" if close else f"keys are {sorted(fields)}"
         raise ConfigError(f"unknown config key '{section}.{key}': {hint}")
-    setattr(target, key, _coerce(f"{section}.{key}", value, str(fields[key].type)))
+    setattr(target, key, _coerce(f"{section}.{key}", value, get_type_hints(type(target))[key]))
 
 
 def load_config(source: str | None = None, overrides: list[str] | dict[str, Any] = ()) -> JobConfig:
@@ -277,141 +378,60 @@ def _divisors(n: int) -> list[int]:
 
 
 def validate(cfg: JobConfig, world_size: int | None = None) -> None:
-    """Raises ConfigError for the first problem found. Needs no process group and no data."""
-    from keel.chaos.faults import KINDS, parse_fault
-    from keel.trainer.data import parse_skip_ranges
-    from keel.trainer.model import MODEL_PRESETS, model_args
+    """Raises ConfigError for the first problem found. Needs no process group and no data.
 
-    par, tr, m = cfg.parallel, cfg.training, cfg.model
-    for name in ("pp", "dp", "tp", "pp_virtual_stages"):
-        if getattr(par, name) < 1:
-            raise ConfigError(f"parallel.{name}={getattr(par, name)}: must be at least 1")
+    Each section checks its own fields first; then come the checks that span sections."""
+    for section in vars(cfg).values():
+        try:
+            section.validate()
+        except ValueError as e:  # the spike, straggler and fault-spec checks live outside keel.trainer: plain ValueError
+            raise ConfigError(str(e)) from None
+    par = cfg.parallel
     if world_size is not None and world_size != cfg.world_size:
         raise ConfigError(
             f"parallel: pp*dp*tp = {par.pp}*{par.dp}*{par.tp} = {cfg.world_size} but {world_size} processes were "
             f"started; set --pp/--dp/--tp so their product is {world_size}, or start {cfg.world_size} processes"
         )
-    if par.pp_schedule not in PIPELINE_SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule={par.pp_schedule!r}: choose one of {list(PIPELINE_SCHEDULES)}")
-    if par.dp_mode not in DP_MODES:
-        raise ConfigError(f"parallel.dp_mode={par.dp_mode!r}: choose one of {list(DP_MODES)}")
-    if tr.dtype not in DTYPES:
-        raise ConfigError(f"training.dtype={tr.dtype!r}: choose one of {list(DTYPES)}")
-    if par.pp_virtual_stages > 1 and par.pp_schedule != "Interleaved1F1B":
-        raise ConfigError(
-            f"parallel.pp_virtual_stages={par.pp_virtual_stages}: virtual stages need "
-            f"parallel.pp_schedule=Interleaved1F1B, or set pp_virtual_stages=1"
-        )
-    if m.preset not in MODEL_PRESETS:
-        raise ConfigError(f"model.preset={m.preset!r}: choose one of {sorted(MODEL_PRESETS)}")
-    args = model_args(cfg)
-    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"model.{name}={getattr(args, name)}: must be at least 1")
+    _validate_model_split(cfg)
+    _validate_batch_split(cfg)
+
+
+def _validate_model_split(cfg: JobConfig) -> None:
+    """The model's shape (its preset with the fields set) must split over heads, pipeline stages and tp ranks."""
+    par, args = cfg.parallel, model_args(cfg)
     if args.dim % args.n_heads:
-        raise ConfigError(f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}; choose n_heads from {_divisors(args.dim)}")
-    if args.n_heads % args.n_kv_heads:
-        raise ConfigError(f"model.n_heads={args.n_heads} is not divisible by model.n_kv_heads={args.n_kv_heads}; choose n_kv_heads from {_divisors(args.n_heads)}")
-    stages = par.pp * par.pp_virtual_stages
-    if args.n_layers % stages:
         raise ConfigError(
-            f"model.n_layers={args.n_layers} does not split over pp*pp_virtual_stages={par.pp}*{par.pp_virtual_stages}={stages} "
+            f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}; choose n_heads from {_divisors(args.dim)}"
+        )
+    if args.n_heads % args.n_kv_heads:
+        raise ConfigError(
+            f"model.n_heads={args.n_heads} is not divisible by model.n_kv_heads={args.n_kv_heads}; "
+            f"choose n_kv_heads from {_divisors(args.n_heads)}"
+        )
+    if args.n_layers % par.n_stages:
+        raise ConfigError(
+            f"model.n_layers={args.n_layers} does not split over pp*pp_virtual_stages={par.pp}*{par.pp_virtual_stages}={par.n_stages} "
             f"pipeline stages; choose pp*pp_virtual_stages from {_divisors(args.n_layers)}"
         )
-    for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), ("dim", args.dim), ("ffn_dim", args.ffn_dim), ("vocab_size", args.vocab_size)):
+    for name in ("n_heads", "n_kv_heads", "dim", "ffn_dim", "vocab_size"):
+        value = getattr(args, name)
         if value % par.tp:
             raise ConfigError(f"parallel.tp={par.tp}: model.{name}={value} is not divisible by tp; choose tp from {_divisors(value)}")
-    if tr.steps < 1:
-        raise ConfigError(f"training.steps={tr.steps}: must be at least 1")
-    if tr.microbatches < 1:
-        raise ConfigError(f"training.microbatches={tr.microbatches}: must be at least 1")
-    if par.pp > 1 and tr.microbatches < stages:
+
+
+def _validate_batch_split(cfg: JobConfig) -> None:
+    """The global batch must split over dp ranks and micro-batches, and the micro-batches fill the pipeline."""
+    par, tr = cfg.parallel, cfg.training
+    if par.pp > 1 and tr.microbatches < par.n_stages:
         raise ConfigError(
-            f"training.microbatches={tr.microbatches} is fewer than the {stages} pipeline stages; "
-            f"set --training.microbatches={stages} or more"
+            f"training.microbatches={tr.microbatches} is fewer than the {par.n_stages} pipeline stages; "
+            f"set --training.microbatches={par.n_stages} or more"
         )
     if tr.global_batch_size % (par.dp * tr.microbatches):
         raise ConfigError(
             f"training.global_batch_size={tr.global_batch_size} does not divide into dp*microbatches="
             f"{par.dp}*{tr.microbatches}={par.dp * tr.microbatches}; use a multiple of {par.dp * tr.microbatches}"
         )
-    if cfg.data.seq_len < 1:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len}: must be at least 1")
-    try:
-        parse_skip_ranges(cfg.data.skip_batches)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if cfg.optim.lr <= 0:
-        raise ConfigError(f"optim.lr={cfg.optim.lr}: must be positive")
-    if cfg.optim.warmup_steps < 0:
-        raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps}: must be 0 or more")
-    if cfg.monitor.wandb_mode not in ("auto", "offline", "online", "disabled"):
-        raise ConfigError(f"monitor.wandb_mode={cfg.monitor.wandb_mode!r}: choose auto, offline, online or disabled")
-    if not 0 <= cfg.monitor.prometheus_port < 65536:
-        raise ConfigError(f"monitor.prometheus_port={cfg.monitor.prometheus_port}: choose a port in 1-65535 (0: any free port)")
-    for spec in cfg.chaos.faults:
-        try:
-            parse_fault(spec)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    _at_least("chaos.mtbf_steps", cfg.chaos.mtbf_steps, 0, "0 turns random faults off")
-    for kind in cfg.chaos.random_kinds:
-        if kind not in KINDS:
-            raise ConfigError(f"chaos.random_kinds: unknown fault '{kind}'; choose from {list(KINDS)}")
-    if cfg.metrics.comm_sample_every < 1 or cfg.metrics.log_every < 1:
-        raise ConfigError("metrics.comm_sample_every and metrics.log_every must be at least 1")
-    _validate_stability(cfg)
-
-
-def _at_least(name: str, value: float, low: float, fix: str = "") -> None:
-    if not value >= low:
-        raise ConfigError(f"{name}={value}: must be at least {low}{'; ' + fix if fix else ''}")
-
-
-def _validate_stability(cfg: JobConfig) -> None:
-    ck, rc, wd, sp, st = cfg.checkpoint, cfg.recovery, cfg.watchdog, cfg.spike, cfg.stragglers
-    _at_least("checkpoint.interval_steps", ck.interval_steps, 0, "0 turns step-based saves off")
-    _at_least("checkpoint.interval_minutes", ck.interval_minutes, 0, "0 turns time-based saves off")
-    _at_least("checkpoint.keep", ck.keep, 1)
-    _at_least("checkpoint.keep_lookback_steps", ck.keep_lookback_steps, 0)
-    _at_least("recovery.nonfinite_limit", rc.nonfinite_limit, 1)
-    _at_least("recovery.skip_margin", rc.skip_margin, 0)
-    _at_least("recovery.max_rollbacks", rc.max_rollbacks, 0)
-    _at_least("recovery.lr_factor_steps", rc.lr_factor_steps, 0)
-    if not 0 < rc.lr_factor <= 1:
-        raise ConfigError(f"recovery.lr_factor={rc.lr_factor}: must be in (0, 1]; 1 keeps the LR after a rollback")
-    for name in ("floor_s", "startup_s", "checkpoint_s", "poll_s"):
-        if not getattr(wd, name) > 0:
-            raise ConfigError(f"watchdog.{name}={getattr(wd, name)}: must be positive (seconds)")
-    _at_least("watchdog.step_factor", wd.step_factor, 1.0)
-    _at_least("watchdog.warmup_steps", wd.warmup_steps, 0)
-    _at_least("spike.window", sp.window, 2)
-    _at_least("spike.min_baseline", sp.min_baseline, 2)
-    if sp.min_baseline > sp.window:
-        raise ConfigError(f"spike.min_baseline={sp.min_baseline} is larger than spike.window={sp.window}; lower it or widen the window")
-    _at_least("spike.persistence", sp.persistence, 1)
-    _at_least("spike.grad_persistence", sp.grad_persistence, 1)
-    _at_least("spike.min_rel_spread", sp.min_rel_spread, 0)
-    _at_least("spike.history", sp.history, 0)
-    if not 1 <= sp.center_window <= sp.window:
-        raise ConfigError(f"spike.center_window={sp.center_window}: must be between 1 and spike.window={sp.window}")
-    if not 0 <= sp.hold <= 1:
-        raise ConfigError(f"spike.hold={sp.hold}: must be in [0, 1] (a fraction of the way from the center to the threshold)")
-    _at_least("spike.warmup_steps", sp.warmup_steps, 0)
-    for name in ("sigmas", "grad_sigmas"):
-        if not getattr(sp, name) > 0:
-            raise ConfigError(f"spike.{name}={getattr(sp, name)}: must be positive")
-    for name in ("ratio", "grad_ratio"):
-        if not getattr(sp, name) > 1:
-            raise ConfigError(f"spike.{name}={getattr(sp, name)}: must be above 1 (a multiple of the baseline)")
-    _at_least("stragglers.window", st.window, 1)
-    if not 1 <= st.min_samples <= st.window:
-        raise ConfigError(f"stragglers.min_samples={st.min_samples}: must be between 1 and stragglers.window={st.window}")
-    if not 0 < st.threshold <= 1:
-        raise ConfigError(f"stragglers.threshold={st.threshold}: must be in (0, 1]; 0.75 flags a rank 33% slower than the fastest")
-    _at_least("stragglers.warmup_steps", st.warmup_steps, 0)
-    if not 0 < st.escalation < 1:
-        raise ConfigError(f"stragglers.escalation={st.escalation}: must be in (0, 1); 0.5 reports a flagged rank again once twice as slow")
 
 
 def check_run_dir(run_dir: str) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
 from keel.trainer.config import ConfigError
 
 VOCAB_SIZE = 256
@@ -76,8 +77,7 @@ def _file_tokens(source: str) -> TokenSource:
     path = Path(source)
     if not path.is_file():
         raise ConfigError(
-            f"data.source={source}: file not found; make one with `keel prepare-data {source} FILES...` "
-            f"or use data.source=builtin"
+            f"data.source={source}: file not found; make one with `keel prepare-data {source} FILES...` or use data.source=builtin"
         )
     nbytes = path.stat().st_size
     if nbytes == 0:
@@ -123,10 +123,10 @@ def prepare_data_main(argv: list[str]) -> int:
     usage = "usage: keel prepare-data OUT.bin FILE_OR_DIR...  (directories: all files, recursively, sorted)"
     if argv[:1] in (["-h"], ["--help"]):
         print(usage)
-        return 0
+        return EXIT_OK
     if len(argv) < 2:
         print(usage, file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     out, inputs = Path(argv[0]), argv[1:]
     files: list[Path] = []
     for name in inputs:
@@ -137,17 +137,17 @@ def prepare_data_main(argv: list[str]) -> int:
             files.append(p)
         else:
             print(f"keel prepare-data: {name}: no such file or directory", file=sys.stderr)
-            return 2
+            return EXIT_CONFIG
     if not any(f.stat().st_size for f in files):
         print(f"keel prepare-data: the inputs {inputs} hold no bytes; pass non-empty text files", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     try:
         count = write_token_file(out, files)
     except OSError as e:
         print(f"keel prepare-data: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     print(f"wrote {count:,} tokens from {len(files)} files to {out}")
-    return 0
+    return EXIT_OK
 
 
 class BatchSampler:
@@ -157,9 +157,18 @@ class BatchSampler:
     trained on: it is passed over and its index kept in `rejected`. Every rank checks the whole
     global batch, so all ranks pass over the same batches without talking to each other."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, dp_rank: int, dp_size: int, seed: int,
-                 skip_ranges: list[tuple[int, int]] = (), vocab_size: int | None = None,
-                 transform: Callable[[int, np.ndarray, int], np.ndarray] | None = None):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        global_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        skip_ranges: list[tuple[int, int]] = (),
+        vocab_size: int | None = None,
+        transform: Callable[[int, np.ndarray, int], np.ndarray] | None = None,
+    ):
         if global_batch_size % dp_size:
             raise ValueError(f"global_batch_size={global_batch_size} is not divisible by dp_size={dp_size}")
         if not 0 <= dp_rank < dp_size:
@@ -178,7 +187,7 @@ class BatchSampler:
         self.skip_ranges = dict(skip_ranges)
         self.vocab_size = vocab_size
         self.transform = transform  # (batch_index, window, vocab_size) -> window: the chaos hook on data
-        self.rejected: list[int] = []  # batches passed over since the caller last emptied this list
+        self.rejected: list[int] = []  # batches passed over since the last take_rejected()
         self._window = np.arange(seq_len + 1)
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
@@ -203,9 +212,18 @@ class BatchSampler:
         rows = window[lo : lo + self.local_batch_size].astype(np.int64)
         return rows[:, :-1], rows[:, 1:]
 
-    def skip(self, n_batches: int) -> None:
-        """Moves past `n_batches` batches without reading them (used to step over bad data)."""
-        self.batch_index += n_batches
+    def rewind_to(self, batch_index: int) -> None:
+        """Reads again from `batch_index`, an index already read: a step that runs again sees the same data."""
+        self.batch_index = batch_index
+
+    def skip_to(self, batch_index: int) -> None:
+        """Moves on to `batch_index` without reading the batches before it (stepping over bad data)."""
+        self.batch_index = batch_index
+
+    def take_rejected(self) -> list[int]:
+        """The batches passed over since the last call (see the class docstring); empties the list."""
+        rejected, self.rejected = self.rejected, []
+        return rejected
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "batch_index": self.batch_index}

@@ -35,7 +35,7 @@ def gpu_peak_flops(device_name: str) -> tuple[float, str]:
         if all(part in device_name for part in key.split()):
             return GPU_PEAK_BF16_FLOPS[key], f"table: {key} dense bf16 {GPU_PEAK_BF16_FLOPS[key] / 1e12:.0f} TFLOPS"
     peak = GPU_PEAK_BF16_FLOPS[UNKNOWN_GPU_ASSUMED]
-    warnings.warn(f"unknown GPU '{device_name}': MFU assumes the {UNKNOWN_GPU_ASSUMED} peak of {peak / 1e12:.0f} TFLOPS")
+    warnings.warn(f"unknown GPU '{device_name}': MFU assumes the {UNKNOWN_GPU_ASSUMED} peak of {peak / 1e12:.0f} TFLOPS", stacklevel=2)
     return peak, f"unknown GPU '{device_name}', assumed {UNKNOWN_GPU_ASSUMED} {peak / 1e12:.0f} TFLOPS"
 
 

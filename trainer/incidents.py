@@ -26,8 +26,18 @@ class Incidents:
     def __init__(self, recorder: RunRecorder | None, run_id: str):
         self.recorder, self.run_id = recorder, run_id
 
-    def _note(self, kind: str, message: str, severity: str = "info", *, step=None, attempt=None, rank=None,
-              data: dict | None = None, alert: str | None = None) -> None:
+    def _note(
+        self,
+        kind: str,
+        message: str,
+        severity: str = "info",
+        *,
+        step=None,
+        attempt=None,
+        rank=None,
+        data: dict | None = None,
+        alert: str | None = None,
+    ) -> None:
         if self.recorder is None:
             return
         self.recorder.event(kind, message, severity=severity, step=step, attempt=attempt, rank=rank, data=data)
@@ -48,31 +58,63 @@ class Incidents:
             data = {"start_step": f.start_step, "value": f.value, "baseline": f.baseline, "threshold": f.threshold}
             self._note(kind, f.message(), severity, step=step, attempt=attempt, data=data, alert=alert)
 
-    def rollback(self, step: int, attempt: int, reason: str, bad_from: int, restored: Restored, skipped: tuple[int, int], discarded: list[str]) -> None:
+    def rollback(
+        self, step: int, attempt: int, reason: str, bad_from: int, restored: Restored, skipped: tuple[int, int], discarded: list[str]
+    ) -> None:
         self.loaded(restored, attempt)
-        data = {"from_step": step, "to_step": restored.step, "bad_from": bad_from, "checkpoint": restored.path.name,
-                "load_s": restored.load_s, "discarded": discarded}
+        data = {
+            "from_step": step,
+            "to_step": restored.step,
+            "bad_from": bad_from,
+            "checkpoint": restored.path.name,
+            "load_s": restored.load_s,
+            "discarded": discarded,
+        }
         message = f"rolled back from step {step} to the checkpoint of step {restored.step} ({reason})"
         self._note("rollback", message, "critical", step=step, attempt=attempt, data=data, alert="rollback")
         first, end = skipped
         if end > first:
-                self._note("skip_data", f"skipping batches {first}..{end - 1} ({end - first} batches), read at steps {restored.step + 1}..{step} and after",
-                       "warning", step=restored.step, attempt=attempt, data={"first_batch": first, "end_batch": end, "batches": end - first})
+            self._note(
+                "skip_data",
+                f"skipping batches {first}..{end - 1} ({end - first} batches), read at steps {restored.step + 1}..{step} and after",
+                "warning",
+                step=restored.step,
+                attempt=attempt,
+                data={"first_batch": first, "end_batch": end, "batches": end - first},
+            )
 
     def no_rollback_target(self, step: int, attempt: int, reason: str, bad_from: int, corrupt: list[str]) -> None:
         self._corrupt(corrupt, attempt)
-        self._note("rollback_failed", f"cannot roll back ({reason}): no good checkpoint before step {bad_from}; training goes on",
-                   "critical", step=step, attempt=attempt, data={"bad_from": bad_from}, alert="rollback_failed")
+        self._note(
+            "rollback_failed",
+            f"cannot roll back ({reason}): no good checkpoint before step {bad_from}; training goes on",
+            "critical",
+            step=step,
+            attempt=attempt,
+            data={"bad_from": bad_from},
+            alert="rollback_failed",
+        )
 
     def _corrupt(self, problems: list[str], attempt: int) -> None:
         for problem in problems:
-            self._note("checkpoint_corrupt", f"corrupt checkpoint {problem}; falling back to an older one", "critical",
-                       attempt=attempt, data={"problem": problem}, alert="checkpoint_corrupt")
+            self._note(
+                "checkpoint_corrupt",
+                f"corrupt checkpoint {problem}; falling back to an older one",
+                "critical",
+                attempt=attempt,
+                data={"problem": problem},
+                alert="checkpoint_corrupt",
+            )
 
     def loaded(self, restored: Restored, attempt: int) -> None:
         self._corrupt(restored.corrupt, attempt)
-        self._note("checkpoint_loaded", f"loaded {restored.path.name} in {restored.load_s:.2f} s", step=restored.step,
-                   attempt=attempt, data={"path": str(restored.path), "load_s": restored.load_s})
+        self._note(
+            "checkpoint_loaded",
+            f"loaded {restored.path.name} in {restored.load_s:.2f} s",
+            step=restored.step,
+            attempt=attempt,
+            data={"path": str(restored.path), "load_s": restored.load_s},
+        )
 
     def no_checkpoint(self, attempt: int, corrupt: list[str]) -> None:
         self._corrupt(corrupt, attempt)
@@ -81,36 +123,86 @@ class Incidents:
     def saved(self, results: list[SaveResult], attempt: int) -> None:
         for r in results:
             if r.error:
-                self._note("checkpoint_failed", f"checkpoint of step {r.step} failed: {r.error}", "critical", step=r.step,
-                           attempt=attempt, data={"error": r.error}, alert="checkpoint_failed")
+                self._note(
+                    "checkpoint_failed",
+                    f"checkpoint of step {r.step} failed: {r.error}",
+                    "critical",
+                    step=r.step,
+                    attempt=attempt,
+                    data={"error": r.error},
+                    alert="checkpoint_failed",
+                )
             else:
-                self._note("checkpoint_saved", f"{r.path.name}: blocked {r.blocking_s * 1000:.0f} ms, written in {r.total_s:.2f} s",
-                           step=r.step, attempt=attempt, data={"path": str(r.path), "blocking_s": r.blocking_s, "total_s": r.total_s, "removed": r.removed})
+                self._note(
+                    "checkpoint_saved",
+                    f"{r.path.name}: blocked {r.blocking_s * 1000:.0f} ms, written in {r.total_s:.2f} s",
+                    step=r.step,
+                    attempt=attempt,
+                    data={"path": str(r.path), "blocking_s": r.blocking_s, "total_s": r.total_s, "removed": r.removed},
+                )
 
     def restart(self, attempt: int, restart_count: int, down_s: float, step: int) -> None:
-        self._note("restart", f"workers restarted by torchrun (restart {restart_count}), resuming at step {step + 1}", "warning",
-                   step=step, attempt=attempt, data={"restart_count": restart_count, "down_s": down_s})
+        self._note(
+            "restart",
+            f"workers restarted by torchrun (restart {restart_count}), resuming at step {step + 1}",
+            "warning",
+            step=step,
+            attempt=attempt,
+            data={"restart_count": restart_count, "down_s": down_s},
+        )
 
     def hang(self, info: dict) -> None:
-        message = (f"hang: no progress for {info['stalled_s']:.0f} s in {info['phase']} of step {info['step']} "
-                   f"(allowed {info['timeout_s']:.0f} s); stacks in {info['dump']}; restarting")
+        message = (
+            f"hang: no progress for {info['stalled_s']:.0f} s in {info['phase']} of step {info['step']} "
+            f"(allowed {info['timeout_s']:.0f} s); stacks in {info['dump']}; restarting"
+        )
         self._note("hang", message, "critical", step=info["step"], attempt=info["attempt"], data=info, alert="hang")
 
     def bad_batches(self, step: int, attempt: int, batches: list[int], vocab_size: int) -> None:
         message = f"batches {batches} passed over at step {step}: token ids outside the vocabulary (< {vocab_size})"
-        self._note("bad_batch", message, "critical", step=step, attempt=attempt,
-                   data={"batches": batches, "vocab_size": vocab_size}, alert="bad_batch")
+        self._note(
+            "bad_batch",
+            message,
+            "critical",
+            step=step,
+            attempt=attempt,
+            data={"batches": batches, "vocab_size": vocab_size},
+            alert="bad_batch",
+        )
 
     def oom(self, step: int, attempt: int, rank: int, old: int, new: int, how: str) -> None:
-        self._note("oom", f"out of memory on rank {rank} at step {step}: micro-batches {old} -> {new} ({how})", "critical",
-                   step=step, attempt=attempt, rank=rank, data={"microbatches": new, "previous": old, "how": how}, alert="oom")
+        self._note(
+            "oom",
+            f"out of memory on rank {rank} at step {step}: micro-batches {old} -> {new} ({how})",
+            "critical",
+            step=step,
+            attempt=attempt,
+            rank=rank,
+            data={"microbatches": new, "previous": old, "how": how},
+            alert="oom",
+        )
 
     def stragglers(self, step: int, attempt: int, flagged: list[tuple[int, float]]) -> None:
         for rank, score in flagged:
             if math.isfinite(score):
-                self._note("straggler", f"rank {rank} is a straggler: score {score:.2f} (fastest rank's median busy time / its own)",
-                           "warning", step=step, attempt=attempt, rank=rank, data={"score": score}, alert="straggler")
+                self._note(
+                    "straggler",
+                    f"rank {rank} is a straggler: score {score:.2f} (fastest rank's median busy time / its own)",
+                    "warning",
+                    step=step,
+                    attempt=attempt,
+                    rank=rank,
+                    data={"score": score},
+                    alert="straggler",
+                )
 
     def stopped(self, step: int, attempt: int, reason: str, exit_code: int) -> None:
-        self._note("run_stopped", f"run stopped at step {step}: {reason}", "critical", step=step, attempt=attempt,
-                   data={"exit_code": exit_code, "reason": reason}, alert="run_stopped")
+        self._note(
+            "run_stopped",
+            f"run stopped at step {step}: {reason}",
+            "critical",
+            step=step,
+            attempt=attempt,
+            data={"exit_code": exit_code, "reason": reason},
+            alert="run_stopped",
+        )

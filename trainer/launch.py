@@ -15,14 +15,33 @@ import sys
 import time
 from pathlib import Path
 
+from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_HANG, EXIT_OK, EXIT_OOM
 from keel.monitor.redact import REDACTED
+from keel.monitor.run_dir import CONFIG_FILE, DUMP_DIR
 from keel.trainer.config import ConfigError, JobConfig, check_run_dir, load_config, validate
 from keel.trainer.data import open_tokens
 
 # Flags passed through to torchrun so that the same command spans machines.
-TORCHRUN_OPTIONS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "master_addr", "master_port", "max_restarts", "rdzv_conf")
+TORCHRUN_OPTIONS = (
+    "nnodes",
+    "node_rank",
+    "rdzv_endpoint",
+    "rdzv_backend",
+    "rdzv_id",
+    "master_addr",
+    "master_port",
+    "max_restarts",
+    "rdzv_conf",
+)
 # Short flags for everyday fields.
-SHORT_FLAGS = {"pp": "parallel.pp", "dp": "parallel.dp", "tp": "parallel.tp", "steps": "training.steps", "seed": "training.seed", "run_dir": "run.run_dir"}
+SHORT_FLAGS = {
+    "pp": "parallel.pp",
+    "dp": "parallel.dp",
+    "tp": "parallel.tp",
+    "steps": "training.steps",
+    "seed": "training.seed",
+    "run_dir": "run.run_dir",
+}
 DEFAULT_CONFIG = "small"
 
 
@@ -37,8 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=int, help=f"shorthand for --{SHORT_FLAGS[name]}")
     p.add_argument("--run-dir", dest="run_dir", help="output directory (default: runs/<run_id>)")
     p.add_argument("--fault", action="append", default=[], metavar="KIND@step=S[,rank=R]", help="inject a fault (repeatable)")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest good checkpoint, with its config.toml "
-                   "(flags and overrides given here still apply, e.g. --steps to train longer)")
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue RUN_DIR from its newest good checkpoint, with its config.toml "
+        "(flags and overrides given here still apply, e.g. --steps to train longer)",
+    )
     tr = p.add_argument_group("torchrun (multi-node)")
     tr.add_argument("--nnodes", type=int, default=1)
     tr.add_argument("--node-rank", dest="node_rank", type=int)
@@ -48,8 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--master-addr", dest="master_addr")
     tr.add_argument("--master-port", dest="master_port", type=int)
     tr.add_argument("--rdzv-conf", dest="rdzv_conf", help="torchrun's --rdzv-conf, e.g. join_timeout=900")
-    tr.add_argument("--max-restarts", dest="max_restarts", type=int, default=3,
-                    help="torchrun restarts the workers this many times after a failure (hang, crash, OOM); default 3")
+    tr.add_argument(
+        "--max-restarts",
+        dest="max_restarts",
+        type=int,
+        default=3,
+        help="torchrun restarts the workers this many times after a failure (hang, crash, OOM); default 3",
+    )
     return p
 
 
@@ -90,9 +118,9 @@ def parse_train_args(argv: list[str], world_size: int | None = None) -> tuple[Jo
 
 
 def resume_config(run_dir: str) -> Path:
-    path = Path(run_dir) / "config.toml"
+    path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
-        raise ConfigError(f"--resume {run_dir}: no config.toml there; pass the run directory of an earlier `keel train`")
+        raise ConfigError(f"--resume {run_dir}: no {CONFIG_FILE} there; pass the run directory of an earlier `keel train`")
     return path
 
 
@@ -137,10 +165,13 @@ def main(argv: list[str]) -> int:
         cmd = torchrun_command(cfg, opts, worker_argv)
     except ConfigError as e:
         print(f"keel train: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     run_dir = Path(cfg.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"keel train: {cfg.world_size} processes (pp{cfg.parallel.pp} dp{cfg.parallel.dp} tp{cfg.parallel.tp}), run dir {cfg.run.run_dir}", flush=True)
+    print(
+        f"keel train: {cfg.world_size} processes (pp{cfg.parallel.pp} dp{cfg.parallel.dp} tp{cfg.parallel.tp}), run dir {cfg.run.run_dir}",
+        flush=True,
+    )
     try:
         code = subprocess.call(cmd, env=worker_env(cfg, opts, run_dir))
     except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the workers
@@ -163,15 +194,14 @@ def nccl_resilience_env(run_dir: Path) -> dict[str, str]:
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "TORCH_FR_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_FR_DUMP_TEMP_FILE": str((run_dir / "dumps" / "nccl_trace_rank_").resolve()),
+        "TORCH_FR_DUMP_TEMP_FILE": str((run_dir / DUMP_DIR / "nccl_trace_rank_").resolve()),
     }
     return {k: v for k, v in wanted.items() if k not in os.environ}
 
 
 def exit_code_of_run(run_dir: Path, torchrun_code: int) -> int:
-    """torchrun reports 1 for any failure; the run store says which (see keel.trainer.exits)."""
+    """torchrun reports 1 for any failure; the run store says which (see keel.monitor.exits)."""
     from keel.monitor.store import read_events
-    from keel.trainer.exits import EXIT_FAILED, EXIT_HANG, EXIT_OOM
 
     try:
         events = read_events(run_dir)
@@ -182,7 +212,7 @@ def exit_code_of_run(run_dir: Path, torchrun_code: int) -> int:
     if last is not None and last["kind"] == "run_stopped":
         return int(last["data"]["exit_code"])
     if torchrun_code == 0:
-        return 0
+        return EXIT_OK
     return {"hang": EXIT_HANG, "oom": EXIT_OOM}.get(None if last is None else last["kind"], EXIT_FAILED)
 
 

@@ -16,12 +16,11 @@ import os
 import time
 from pathlib import Path
 
+from keel.monitor.exits import EXIT_OOM, EXIT_OOM_RESTART
+from keel.monitor.run_dir import MICROBATCH_FILE
 from keel.trainer.config import JobConfig
-from keel.trainer.exits import EXIT_OOM, EXIT_OOM_RESTART
 
 log = logging.getLogger("keel.oom")
-
-CONTROL_FILE = Path("control") / "microbatches.json"
 
 
 def halve_microbatch(cfg: JobConfig, world: int, run_dir: Path, rank: int, step: int) -> int:
@@ -30,17 +29,25 @@ def halve_microbatch(cfg: JobConfig, world: int, run_dir: Path, rank: int, step:
     new = old * 2
     per_rank = cfg.training.global_batch_size // cfg.parallel.dp
     if not cfg.recovery.oom_halve_microbatch or per_rank % new:
-        why = "recovery.oom_halve_microbatch is off" if not cfg.recovery.oom_halve_microbatch else \
-            f"{per_rank} sequences per dp rank do not split into {new} micro-batches"
-        log.critical("out of memory at step %d with %d micro-batches; cannot halve the micro-batch (%s): exiting with code %d",
-                     step, old, why, EXIT_OOM)
+        why = (
+            "recovery.oom_halve_microbatch is off"
+            if not cfg.recovery.oom_halve_microbatch
+            else f"{per_rank} sequences per dp rank do not split into {new} micro-batches"
+        )
+        log.critical(
+            "out of memory at step %d with %d micro-batches; cannot halve the micro-batch (%s): exiting with code %d",
+            step,
+            old,
+            why,
+            EXIT_OOM,
+        )
         logging.shutdown()
         os._exit(EXIT_OOM)
     if world == 1:
         log.warning("out of memory at step %d: micro-batches %d -> %d, running the step again", step, old, new)
         cfg.training.microbatches = new
         return new
-    path = run_dir / CONTROL_FILE
+    path = run_dir / MICROBATCH_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"microbatches": new, "previous": old, "rank": rank, "step": step, "time": time.time(), "reported": False}))
@@ -53,7 +60,7 @@ def halve_microbatch(cfg: JobConfig, world: int, run_dir: Path, rank: int, step:
 def apply_saved_microbatches(cfg: JobConfig, run_dir: Path) -> dict | None:
     """At start-up: takes the micro-batch setting a previous out-of-memory left behind. Returns the
     note once (to be recorded as an event by rank 0), None when there is nothing new to report."""
-    path = run_dir / CONTROL_FILE
+    path = run_dir / MICROBATCH_FILE
     if not path.exists():
         return None
     note = json.loads(path.read_text())
@@ -62,7 +69,7 @@ def apply_saved_microbatches(cfg: JobConfig, run_dir: Path) -> dict | None:
 
 
 def mark_reported(run_dir: Path) -> None:
-    path = run_dir / CONTROL_FILE
+    path = run_dir / MICROBATCH_FILE
     note = json.loads(path.read_text())
     note["reported"] = True
     tmp = path.with_suffix(".tmp")

@@ -1,4 +1,8 @@
-"""The seed chapter's optimizer recipe: AdamW, linear warmup then cosine decay, clipping at the global norm."""
+"""The optimizer recipe: AdamW, linear warmup then cosine decay, clipping at the global norm.
+
+It is the recipe of the Llama 2 paper (Touvron et al. 2023, section 2.2), whose values are the defaults
+of OptimConfig: betas (0.9, 0.95), weight decay 0.1, cosine decay to 10% of the peak LR, clipping at 1.0.
+"""
 
 from __future__ import annotations
 

@@ -15,18 +15,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    PipelineScheduleSingle,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from keel.trainer.config import JobConfig
-from keel.trainer.model import ModelArgs, Transformer
+from keel.trainer.config import DataParallelMode, JobConfig
+from keel.trainer.model import Transformer
+from keel.trainer.model_args import ModelArgs
 
 
 @dataclass
@@ -64,7 +59,7 @@ def stage_ids(cfg: JobConfig, pp_rank: int) -> list[int]:
 
 
 def build_stage_model(args: ModelArgs, cfg: JobConfig, stage: int, device: torch.device) -> Transformer:
-    n_stages = cfg.parallel.pp * cfg.parallel.pp_virtual_stages
+    n_stages = cfg.parallel.n_stages
     per_stage = args.n_layers // n_stages
     with torch.device(device):
         model = Transformer(args, range(stage * per_stage, (stage + 1) * per_stage), first=stage == 0, last=stage == n_stages - 1)
@@ -89,7 +84,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
     parallelize_module(model, tp_mesh, plan)
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, mode: str, bf16: bool) -> None:
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, mode: DataParallelMode, bf16: bool) -> None:
     """ZeRO-3 (reshard after forward) or ZeRO-2 (keep parameters gathered until backward), one FSDP
     unit per block so the all-gather of block i+1 overlaps the compute of block i."""
     reshard = mode == "zero3"
@@ -131,13 +126,11 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def build_schedule(cfg: JobConfig, parts: list[Transformer], layout: Layout, device: torch.device, last_stage_loss):
     """A torch.distributed.pipelining schedule over this rank's stages. Gradients are scaled by
     1/microbatches (scale_grads) so the loss matches the mean over the whole batch."""
-    n_stages = cfg.parallel.pp * cfg.parallel.pp_virtual_stages
     group = layout.group("pp")
     stages = [
-        PipelineStage(part, stage, n_stages, device, group=group)
-        for part, stage in zip(parts, stage_ids(cfg, layout.pp_rank))
+        PipelineStage(part, stage, cfg.parallel.n_stages, device, group=group) for part, stage in zip(parts, stage_ids(cfg, layout.pp_rank))
     ]
-    kind = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}[cfg.parallel.pp_schedule]
+    kind = get_schedule_class(cfg.parallel.pp_schedule)  # PipelineSchedule's names are PyTorch's own, as in TorchTitan
     if issubclass(kind, PipelineScheduleMulti):
         return kind(stages, n_microbatches=cfg.training.microbatches, loss_fn=last_stage_loss, scale_grads=True)
     assert issubclass(kind, PipelineScheduleSingle)

@@ -33,8 +33,16 @@ def gather_rows(row: list[float], device: torch.device, world: int) -> torch.Ten
 class StepReporter:
     """Measures step time on this rank, agrees the step's metrics with all ranks, records them."""
 
-    def __init__(self, device: torch.device, world: int, tokens_per_step: int, flops_per_token: float,
-                 peak_flops_total: float, recorder: RunRecorder | None, progress: ProgressLine | None):
+    def __init__(
+        self,
+        device: torch.device,
+        world: int,
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak_flops_total: float,
+        recorder: RunRecorder | None,
+        progress: ProgressLine | None,
+    ):
         self.device, self.world = device, world
         self.tokens_per_step, self.flops_per_token, self.peak_flops_total = tokens_per_step, flops_per_token, peak_flops_total
         self.recorder, self.progress = recorder, progress
@@ -46,16 +54,33 @@ class StepReporter:
         """Time spent since the last step (a checkpoint save, a rollback) is not counted in the next step."""
         self.step_end = time.perf_counter()
 
-    def report(self, step: int, attempt: int, lr: float, grad_norm: float, loss: torch.Tensor | None,
-               data_time: float, comm_time: float | None, faults_fired: int = 0, skipped: bool = False) -> tuple[dict, list[int]]:
+    def report(
+        self,
+        step: int,
+        attempt: int,
+        lr: float,
+        grad_norm: float,
+        loss: torch.Tensor | None,
+        data_time: float,
+        comm_time: float | None,
+        faults_fired: int = 0,
+        skipped: bool = False,
+    ) -> tuple[dict, list[int]]:
         """Returns the agreed step row and the ranks that injected a fault this step (the same on every
         rank). `loss` is None on pipeline ranks without the last stage; `comm_time` None when not measured.
         Also sets `busy_s`: per rank, step time minus communication time (NaN where not measured)."""
         now = time.perf_counter()
         step_time, self.step_end = now - self.step_end, now
-        mine = [0.0 if loss is None else 1.0, 0.0 if loss is None else loss.item(), step_time,
-                math.nan if comm_time is None else comm_time, data_time, float(peak_memory_bytes(self.device)),
-                float(faults_fired), time.time()]
+        mine = [
+            0.0 if loss is None else 1.0,
+            0.0 if loss is None else loss.item(),
+            step_time,
+            math.nan if comm_time is None else comm_time,
+            data_time,
+            float(peak_memory_bytes(self.device)),
+            float(faults_fired),
+            time.time(),
+        ]
         has_loss, losses, step_times, comm_times, data_times, mems, faults, clocks = gather_rows(mine, self.device, self.world).T
         slowest = float(step_times.max())  # a synchronous step is as slow as its slowest rank
         tokens_per_s = self.tokens_per_step / slowest
@@ -66,16 +91,32 @@ class StepReporter:
         self.busy_s = (step_times - comm_times).tolist()
         row = {
             # The latest clock of all ranks: a time every rank agrees on, so time-based decisions match.
-            "step": step, "attempt": attempt, "time": float(clocks.max()), "loss": float(losses[has_loss > 0].mean()),
-            "grad_norm": grad_norm, "lr": lr, "tokens": step * self.tokens_per_step, "tokens_per_s": tokens_per_s,
-            "mfu": mfu, "comm_share": comm_share, "step_time_s": slowest, "data_time_s": float(data_times.max()),
-            "mem_peak_bytes": int(mems.max()), "skipped": int(skipped),
+            "step": step,
+            "attempt": attempt,
+            "time": float(clocks.max()),
+            "loss": float(losses[has_loss > 0].mean()),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": step * self.tokens_per_step,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "comm_share": comm_share,
+            "step_time_s": slowest,
+            "data_time_s": float(data_times.max()),
+            "mem_peak_bytes": int(mems.max()),
+            "skipped": int(skipped),
         }
         if self.recorder is not None:
             rank_rows = [
-                {"step": step, "attempt": attempt, "rank": r, "step_time_s": float(step_times[r]),
-                 "comm_time_s": None if math.isnan(comm_times[r]) else float(comm_times[r]),
-                 "data_time_s": float(data_times[r]), "mem_peak_bytes": int(mems[r])}
+                {
+                    "step": step,
+                    "attempt": attempt,
+                    "rank": r,
+                    "step_time_s": float(step_times[r]),
+                    "comm_time_s": None if math.isnan(comm_times[r]) else float(comm_times[r]),
+                    "data_time_s": float(data_times[r]),
+                    "mem_peak_bytes": int(mems[r]),
+                }
                 for r in range(self.world)
             ]
             self.recorder.step(row, rank_rows)

@@ -10,278 +10,364 @@ import math
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from keel.chaos.faults import FaultPlan, parse_fault, random_faults
+from keel.chaos.fault_specs import parse_fault, random_faults
+from keel.chaos.faults import FaultPlan
+from keel.monitor.exits import EXIT_CONFIG, EXIT_OK, EXIT_ROLLBACK_CAP
 from keel.monitor.goodput import goodput_of_run
 from keel.monitor.redact import redact
-from keel.monitor.store import STORE_FILE, read_events, read_steps
+from keel.monitor.run_dir import CONFIG_FILE, LOG_DIR, STORE_FILE, rank_log_name
+from keel.monitor.store import read_events, read_steps
 from keel.monitor.stragglers import StragglerTracker
-from keel.trainer import comm, flops, oom, parallel
+from keel.trainer import exposed_comm, flops, oom, parallel
 from keel.trainer.checkpoint import Checkpointer, manifest_info
 from keel.trainer.config import ConfigError, JobConfig, write_resolved_config
 from keel.trainer.data import BatchSampler, open_tokens, parse_skip_ranges
-from keel.trainer.exits import EXIT_CONFIG, EXIT_OK, EXIT_ROLLBACK_CAP
+from keel.trainer.distributed import init_distributed, set_collective_timeout, sum_over_ranks
 from keel.trainer.incidents import Incidents
 from keel.trainer.launch import parse_train_args, resolve_run_dir
-from keel.trainer.model import flops_per_token, model_args
-from keel.trainer.monitoring import build_recorder
+from keel.trainer.model_args import flops_per_token, model_args
 from keel.trainer.optim import build_optimizer, clip_grads, lr_at, set_lr
 from keel.trainer.progress import ProgressLine
-from keel.trainer.recovery import StabilityGuard
+from keel.trainer.recorder_setup import build_recorder
+from keel.trainer.stability import StabilityGuard, Verdict
+from keel.trainer.step import forward_backward
 from keel.trainer.step_metrics import StepReporter
 from keel.trainer.watchdog import Watchdog, stalled_dumps
 
 log = logging.getLogger("keel.train")
 
 
-def init_distributed(startup_timeout_s: float = 600.0) -> tuple[torch.device, int, int]:
-    """(device, rank, world size). Reads torchrun's variables, or srun's when torchrun's are absent.
-    Collectives may wait `startup_timeout_s` at first (ranks load and build at different speeds)."""
-    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
-        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"], LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if world > 1:
-        timeout = timedelta(seconds=startup_timeout_s)
-        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
-        # After a torchrun restart the rendezvous store still holds the previous group's keys (its
-        # workers' addresses); a fresh namespace per restart keeps the new group from reading them.
-        store = dist.PrefixStore(f"keel/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None,
-                                store=store, rank=rank, world_size=world, timeout=timeout)
-    return device, rank, world
+class Trainer:
+    """One worker's share of a training job. The constructor sets everything up and, when the run is
+    resumed or restarted, loads the newest good checkpoint; `train()` then runs the remaining steps.
 
+    Every rank makes the same decisions at the same step (skip, roll back, save, stop) from agreed
+    values, so the collectives of all ranks stay in step."""
 
-def forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast, step_loss) -> torch.Tensor | None:
-    """Runs one step's forward and backward over all micro-batches. Returns this rank's mean loss,
-    or None on pipeline ranks that do not hold the last stage. `step_loss(logits, targets)` is the
-    loss of one micro-batch (the pipeline schedule was built with the same function)."""
-    if schedule is not None:
-        losses: list[torch.Tensor] = []
-        with autocast:
-            if layout.pp_rank == 0:  # holds the first stage, which takes the token ids
-                schedule.step(inputs, target=targets, losses=losses)
-            else:
-                schedule.step(target=targets, losses=losses)
-        return torch.stack(losses).mean().detach() if layout.is_last_stage_rank else None
-    model, m = parts[0], cfg.training.microbatches
-    total = torch.zeros((), device=inputs.device)
-    for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m))):
-        if parallel.uses_fsdp(cfg):
-            model.set_requires_gradient_sync(i == m - 1)  # reduce-scatter once, after the last micro-batch
-        with autocast:
-            loss = step_loss(model(x), y) / m
-        loss.backward()
-        total += loss.detach()
-    return total
+    def __init__(self, cfg: JobConfig, device: torch.device, rank: int, world: int, process_start: float | None = None):
+        self.cfg, self.device, self.rank, self.world = cfg, device, rank, world
+        self.process_start = process_start or time.time()
+        self.run_dir = Path(cfg.run.run_dir)
+        _setup_logging(self.run_dir, rank)
+        self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        self.resuming = cfg.run.resume or self.restart_count > 0
+        oom_note = oom.apply_saved_microbatches(cfg, self.run_dir) if self.resuming else None
+        self.watchdog = Watchdog(cfg.watchdog, self.run_dir, rank)
+        self._build_model()
+        self._build_data()
+        peak_total, mfu_basis = self._peak_flops_total()
+        self.recorder = build_recorder(cfg, self.run_dir) if rank == 0 else None
+        self.incidents = Incidents(self.recorder, cfg.run.run_id)
+        self.attempt = _next_attempt(self.run_dir, rank, world) if self.resuming else 0
+        last_recorded = _last_recorded_time(self.run_dir) if rank == 0 and self.restart_count else None
+        if self.recorder is not None:
+            self._record_run_start(peak_total, mfu_basis, oom_note)
+        self.watchdog.on_hang = self.incidents.hang
+        self._build_recovery()
+        self.step = 0
+        if self.resuming:
+            self._resume(last_recorded)
+        self.progress = ProgressLine(cfg.training.steps, every=cfg.metrics.log_every) if rank == 0 else None
+        if world > 1:
+            exposed_comm.warm_up_profiler(device.type == "cuda")
+        tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_len
+        self.reporter = StepReporter(device, world, tokens_per_step, self.flop_per_token, peak_total, self.recorder, self.progress)
+        log.info("starting training at step %d (attempt %d)", self.step + 1, self.attempt)
+        # Process-group timeouts in two phases: start-up had watchdog.startup_s; once a step has run, a
+        # collective that waits past twice the floor is failed by the process group itself. The watchdog
+        # normally fires first and leaves stack dumps; this is the backstop.
+        self.tight_timeout_s, self.timeouts_tight = 2 * cfg.watchdog.floor_s + 60, False
+        self.exit_code = EXIT_OK
 
+    # -- setup ------------------------------------------------------------------------------------
 
-def train(cfg: JobConfig, device: torch.device, rank: int, world: int, process_start: float | None = None) -> int:
-    """Runs the job; returns the exit code (see keel.trainer.exits)."""
-    process_start = process_start or time.time()
-    run_dir = Path(cfg.run.run_dir)
-    _setup_logging(run_dir, rank)
-    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    resuming = cfg.run.resume or restart_count > 0
-    oom_note = oom.apply_saved_microbatches(cfg, run_dir) if resuming else None
-    watchdog = Watchdog(cfg.watchdog, run_dir, rank)
-    bf16, autocast = parallel.mixed_precision(cfg, device)
-    if bf16 and device.type != "cuda":
-        log.warning("training.dtype=bf16 on CPU: running bf16 autocast on CPU")
+    def _build_model(self) -> None:
+        """This rank's model parts, the pipeline schedule (pp > 1), the optimizer, and the fault plan whose
+        hooks the step calls."""
+        cfg, device = self.cfg, self.device
+        bf16, self.autocast = parallel.mixed_precision(cfg, device)
+        if bf16 and device.type != "cuda":
+            log.warning("training.dtype=bf16 on CPU: running bf16 autocast on CPU")
+        log.info("process group up: rank %d of %d on %s", self.rank, self.world, device)
+        self.layout = parallel.build_layout(cfg, device)
+        self.model_args = model_args(cfg)
+        self.flop_per_token = flops_per_token(self.model_args, cfg.data.seq_len)
+        self.parts = parallel.build_model_parts(cfg, self.model_args, self.layout, device, bf16)
+        self.faults = FaultPlan(fault_plan(cfg, self.world), self.rank, self.run_dir)
+        self.schedule = parallel.build_schedule(cfg, self.parts, self.layout, device, self.step_loss) if self.layout.pp > 1 else None
+        self.optimizer = build_optimizer(self.parts, cfg.optim)
+        log.info("model built: %d stage(s) on this rank", len(self.parts))
 
-    log.info("process group up: rank %d of %d on %s", rank, world, device)
-    layout = parallel.build_layout(cfg, device)
-    args = model_args(cfg)
-    parts = parallel.build_model_parts(cfg, args, layout, device, bf16)
-    faults = FaultPlan(fault_plan(cfg, world), rank, run_dir)
+    def step_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of one micro-batch (the pipeline schedule calls it too)."""
+        return self.faults.corrupt_loss(parallel.loss_fn(logits, targets))  # the chaos hook point on the loss
 
-    def step_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return faults.corrupt_loss(parallel.loss_fn(logits, targets))  # the chaos hook point on the loss
+    def _build_data(self) -> None:
+        cfg = self.cfg
+        self.source = open_tokens(cfg.data.source, cfg.data.seq_len)
+        self.sampler = BatchSampler(
+            self.source.tokens,
+            cfg.data.seq_len,
+            cfg.training.global_batch_size,
+            self.layout.dp_rank,
+            self.layout.dp,
+            cfg.training.seed,
+            parse_skip_ranges(cfg.data.skip_batches),
+            self.model_args.vocab_size,
+            self.faults.corrupt_batch,
+        )
 
-    schedule = parallel.build_schedule(cfg, parts, layout, device, step_loss) if layout.pp > 1 else None
-    optimizer = build_optimizer(parts, cfg.optim)
+    def _peak_flops_total(self) -> tuple[float, str]:
+        """MFU's denominator: (the peak FLOPS of all devices together, how this device's peak was found)."""
+        # Every rank measures (or looks up) its own peak at the same moment; the sum is over all devices.
+        peak, basis = flops.device_peak_flops(self.device)
+        peak_total = sum_over_ranks(peak, self.device, self.world)
+        log.info("peak FLOPS: %.3g per device (%s)", peak, basis)
+        return peak_total, basis
 
-    log.info("model built: %d stage(s) on this rank", len(parts))
-    source = open_tokens(cfg.data.source, cfg.data.seq_len)
-    sampler = BatchSampler(source.tokens, cfg.data.seq_len, cfg.training.global_batch_size, layout.dp_rank, layout.dp, cfg.training.seed,
-                           parse_skip_ranges(cfg.data.skip_batches), args.vocab_size, faults.corrupt_batch)
-    flop_per_token = flops_per_token(args, cfg.data.seq_len)
-
-    # MFU's denominator: every rank measures (or looks up) its own peak at the same moment; the sum
-    # is the peak of all devices together.
-    peak, basis = flops.device_peak_flops(device)
-    peak_total = _sum_over_ranks(peak, device, world)
-
-    log.info("peak FLOPS: %.3g per device (%s)", peak, basis)
-    recorder = build_recorder(cfg, run_dir) if rank == 0 else None
-    incidents = Incidents(recorder, cfg.run.run_id)
-    attempt = _next_attempt(run_dir, rank, world) if resuming else 0
-    last_recorded = _last_recorded_time(run_dir) if rank == 0 and restart_count else None
-    if recorder is not None:
-        write_resolved_config(cfg, run_dir / "config.toml")
+    def _record_run_start(self, peak_total: float, mfu_basis: str, oom_note: dict | None) -> None:
+        """Rank 0: the resolved config, the run's metadata, `run_started`, and the OOM restart that the
+        previous attempt asked for, if it is not reported yet."""
+        cfg, world, layout, recorder = self.cfg, self.world, self.layout, self.recorder
+        write_resolved_config(cfg, self.run_dir / CONFIG_FILE)
         for key, value in {
-            "run_id": cfg.run.run_id, "config": redact(cfg.to_dict()), "world_size": world, "device": str(device),
-            "mfu_basis": basis, "peak_flops_total": peak_total, "flops_per_token": flop_per_token,
-            "data_version": source.version, "data": source.description, "torch_version": torch.__version__,
+            "run_id": cfg.run.run_id,
+            "config": redact(cfg.to_dict()),
+            "world_size": world,
+            "device": str(self.device),
+            "mfu_basis": mfu_basis,
+            "peak_flops_total": peak_total,
+            "flops_per_token": self.flop_per_token,
+            "data_version": self.source.version,
+            "data": self.source.description,
+            "torch_version": torch.__version__,
         }.items():
             recorder.store.set_meta(key, value)
-        recorder.event("run_started", f"{world} processes, pp{layout.pp} dp{layout.dp} tp{layout.tp}", step=0, attempt=attempt, rank=0,
-                       data={"process_start": process_start, "restart_count": restart_count})
+        recorder.event(
+            "run_started",
+            f"{world} processes, pp{layout.pp} dp{layout.dp} tp{layout.tp}",
+            step=0,
+            attempt=self.attempt,
+            rank=0,
+            data={"process_start": self.process_start, "restart_count": self.restart_count},
+        )
         if oom_note:
-            incidents.oom(oom_note["step"], attempt, oom_note["rank"], oom_note["previous"], oom_note["microbatches"], "coordinated restart")
-            oom.mark_reported(run_dir)
-    watchdog.on_hang = incidents.hang
+            self.incidents.oom(
+                oom_note["step"], self.attempt, oom_note["rank"], oom_note["previous"], oom_note["microbatches"], "coordinated restart"
+            )
+            oom.mark_reported(self.run_dir)
 
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir, parts, optimizer, rank, world, manifest_info(cfg, source.version))
-    guard = StabilityGuard(cfg.recovery, cfg.spike)
-    stage_size = world // layout.pp  # mesh order (pp, dp, tp): each pipeline stage is a block of ranks
-    stragglers = StragglerTracker(cfg.stragglers, world, [range(k * stage_size, (k + 1) * stage_size) for k in range(layout.pp)])
-    step = 0
-    if resuming:
-        watchdog.beat("checkpoint_load", 0, attempt)
-        restored = checkpointer.load_latest()
+    def _build_recovery(self) -> None:
+        """The checkpointer, the stability guard and the straggler tracker."""
+        cfg, world, pp = self.cfg, self.world, self.layout.pp
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint, self.run_dir, self.parts, self.optimizer, self.rank, world, manifest_info(cfg, self.source.version)
+        )
+        self.guard = StabilityGuard(cfg.recovery, cfg.spike)
+        stage_size = world // pp  # mesh order (pp, dp, tp): each pipeline stage is a block of ranks
+        self.stragglers = StragglerTracker(cfg.stragglers, world, [range(k * stage_size, (k + 1) * stage_size) for k in range(pp)])
+
+    def _resume(self, last_recorded: float | None) -> None:
+        """Loads the newest good checkpoint and the sampler and guard state saved with it; after a
+        restart, also reports the stalls and the restart itself (rank 0)."""
+        self.watchdog.beat("checkpoint_load", 0, self.attempt)
+        restored = self.checkpointer.load_latest()
         if restored is not None:
-            step = restored.step
-            sampler.load_state_dict(restored.train_state["sampler"])
-            guard.load_state_dict(restored.train_state["guard"])
-            incidents.loaded(restored, attempt)
+            self.step = restored.step
+            self.sampler.load_state_dict(restored.train_state["sampler"])
+            self.guard.load_state_dict(restored.train_state["guard"])
+            self.incidents.loaded(restored, self.attempt)
         else:
-            incidents.no_checkpoint(attempt, checkpointer.corrupt)
-        if restart_count and rank == 0:
-            _report_stalls(run_dir, incidents)
-        if restart_count:
-            incidents.restart(attempt, restart_count, process_start - last_recorded if last_recorded else 0.0, step)
+            self.incidents.no_checkpoint(self.attempt, self.checkpointer.corrupt)
+        if self.restart_count and self.rank == 0:
+            _report_stalls(self.run_dir, self.incidents)
+        if self.restart_count:
+            downtime_s = self.process_start - last_recorded if last_recorded else 0.0
+            self.incidents.restart(self.attempt, self.restart_count, downtime_s, self.step)
 
-    progress = ProgressLine(cfg.training.steps, every=cfg.metrics.log_every) if rank == 0 else None
-    if world > 1:
-        comm.warm_up_profiler(device.type == "cuda")
-    reporter = StepReporter(device, world, cfg.training.global_batch_size * cfg.data.seq_len, flop_per_token, peak_total, recorder, progress)
-    log.info("starting training at step %d (attempt %d)", step + 1, attempt)
+    # -- the loop ---------------------------------------------------------------------------------
 
-    def train_state(at_step: int) -> dict:
-        return {"step": at_step, "attempt": attempt, "sampler": sampler.state_dict(),
-                "microbatches": cfg.training.microbatches, "guard": guard.state_dict()}
+    def train(self) -> int:
+        """Runs the remaining steps, then tears down; returns the exit code (see keel.monitor.exits)."""
+        while self.step < self.cfg.training.steps:
+            self.step += 1
+            outcome = self.train_step()
+            if outcome is None:  # out of memory: recover_oom set the same step up to run again
+                continue
+            row, verdict = outcome
+            if verdict.action == "stop":
+                self.exit_code = EXIT_ROLLBACK_CAP
+                self.incidents.stopped(self.step, self.attempt, verdict.reason, self.exit_code)
+                break
+            if verdict.action == "rollback":
+                self.roll_back(verdict)
+                continue
+            self.save_if_due(row["time"])
+        self.finish()
+        return self.exit_code
 
-    # Process-group timeouts in two phases: start-up had watchdog.startup_s; once a step has run, a
-    # collective that waits past twice the floor is failed by the process group itself. The watchdog
-    # normally fires first and leaves stack dumps; this is the backstop.
-    tight_timeout_s, timeouts_tight = 2 * cfg.watchdog.floor_s + 60, False
-    exit_code = EXIT_OK
-    while step < cfg.training.steps:
-        step += 1
-        watchdog.beat("step", step, attempt)
-        faults.begin_step(step)
+    def train_step(self) -> tuple[dict, Verdict] | None:
+        """Runs step `self.step` on the next batch and records it; returns the step's agreed metrics row
+        and the guard's verdict. None when the step ran out of memory (see `recover_oom`)."""
+        cfg, step = self.cfg, self.step
+        self.watchdog.beat("step", step, self.attempt)
+        self.faults.begin_step(step)
         t0 = time.perf_counter()
-        batch_index = sampler.batch_index
-        inputs, targets = sampler.next_batch()
-        if sampler.rejected:
-            incidents.bad_batches(step, attempt, sampler.rejected, args.vocab_size)
-            sampler.rejected = []
-        inputs, targets = torch.from_numpy(inputs).to(device, non_blocking=True), torch.from_numpy(targets).to(device, non_blocking=True)
+        batch_index = self.sampler.batch_index
+        inputs, targets = self._next_batch()
         data_time = time.perf_counter() - t0
-        lr = lr_at(step, cfg.optim, cfg.training.steps) * guard.lr_scale(step) * faults.lr_scale()
-        set_lr(optimizer, lr)
-
-        sample_comm = world > 1 and (step - 2) % cfg.metrics.comm_sample_every == 0
+        lr = lr_at(step, cfg.optim, cfg.training.steps) * self.guard.lr_scale(step) * self.faults.lr_scale()
+        set_lr(self.optimizer, lr)
+        sample_comm = self.world > 1 and (step - 2) % cfg.metrics.comm_sample_every == 0
         try:
-            with comm.sampled_step(sample_comm, device.type == "cuda") as exposed_comm:
-                faults.at_step_start(parts)  # chaos hook points: the process, the parameters, the checkpoints
-                loss = forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast, step_loss)
-                faults.corrupt_grads(parts)
-                if cfg.parallel.dp > 1 and cfg.parallel.dp_mode == "replicate":
-                    faults.before_collective()
-                    parallel.all_reduce_replicated_grads(parts, layout)
-                loss_finite = loss is None or bool(torch.isfinite(loss))
-                faults.before_collective()
-                grad_norm = parallel.global_grad_norm(parts, layout, loss_finite).item()
-                skipped = not math.isfinite(grad_norm)  # the same verdict on every rank
-                if skipped:
-                    log.warning("step %d skipped: a loss or gradient is not finite on some rank (global grad norm %s)", step, grad_norm)
-                else:
-                    clip_grads(parts, cfg.optim.grad_clip, grad_norm)
-                    checkpointer.before_update()  # a save in flight must have copied the parameters
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+            with exposed_comm.sampled_step(sample_comm, self.device.type == "cuda") as comm_seconds:
+                loss, grad_norm, skipped = self._compute_and_update(inputs, targets)
         except torch.OutOfMemoryError:
-            optimizer.zero_grad(set_to_none=True)
-            old = cfg.training.microbatches
-            new = oom.halve_microbatch(cfg, world, run_dir, rank, step)  # exits the process when it must restart
-            incidents.oom(step, attempt, rank, old, new, "in process")
-            sampler.batch_index = batch_index  # run the same step again, with the same data
-            step -= 1
-            reporter.restart_clock()
-            continue
-        faults.end_step()
+            self.recover_oom(batch_index)
+            return None
+        self.faults.end_step()
+        self.faults.before_collective()
+        row, fault_ranks = self.reporter.report(
+            step, self.attempt, lr, grad_norm, loss, data_time, comm_seconds(), len(self.faults.fired), skipped
+        )
+        self.watchdog.step_finished(row["step_time_s"])
+        if not self.timeouts_tight:
+            set_collective_timeout(self.layout, self.tight_timeout_s)
+            self.timeouts_tight = True
+        return row, self._judge(row, fault_ranks, skipped, sample_comm)
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's inputs and targets, on the device; rank 0 records the batches the sampler passed over."""
+        inputs, targets = self.sampler.next_batch()
+        rejected = self.sampler.take_rejected()
+        if rejected:
+            self.incidents.bad_batches(self.step, self.attempt, rejected, self.model_args.vocab_size)
+        return torch.from_numpy(inputs).to(self.device, non_blocking=True), torch.from_numpy(targets).to(self.device, non_blocking=True)
+
+    def _compute_and_update(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor | None, float, bool]:
+        """Forward, backward and the gradient collectives, then the update unless a loss or gradient is
+        not finite on some rank. Returns (this rank's loss, the global grad norm, whether the update was skipped)."""
+        cfg, parts, faults = self.cfg, self.parts, self.faults
+        faults.at_step_start(parts)  # chaos hook points: the process, the parameters, the checkpoints
+        loss = forward_backward(cfg, parts, self.schedule, self.layout, inputs, targets, self.autocast, self.step_loss)
+        faults.corrupt_grads(parts)
+        if cfg.parallel.dp > 1 and cfg.parallel.dp_mode == "replicate":
+            faults.before_collective()
+            parallel.all_reduce_replicated_grads(parts, self.layout)
+        loss_finite = loss is None or bool(torch.isfinite(loss))
         faults.before_collective()
-        row, fault_ranks = reporter.report(step, attempt, lr, grad_norm, loss, data_time, exposed_comm(), len(faults.fired), skipped)
-        watchdog.step_finished(row["step_time_s"])
-        if not timeouts_tight:
-            _set_collective_timeout(layout, tight_timeout_s)
-            timeouts_tight = True
-        verdict = guard.observe(step, row["loss"], row["grad_norm"], skipped)
-        incidents.step(row, fault_ranks, verdict.findings)
-        if sample_comm and step > cfg.stragglers.warmup_steps:
-            incidents.stragglers(step, attempt, stragglers.update(reporter.busy_s))
+        grad_norm = parallel.global_grad_norm(parts, self.layout, loss_finite).item()
+        skipped = not math.isfinite(grad_norm)  # the same verdict on every rank
+        if skipped:
+            log.warning("step %d skipped: a loss or gradient is not finite on some rank (global grad norm %s)", self.step, grad_norm)
+        else:
+            clip_grads(parts, cfg.optim.grad_clip, grad_norm)
+            self.checkpointer.before_update()  # a save in flight must have copied the parameters
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm, skipped
 
-        if verdict.action == "stop":
-            exit_code = EXIT_ROLLBACK_CAP
-            incidents.stopped(step, attempt, verdict.reason, exit_code)
-            break
-        if verdict.action == "rollback":
-            watchdog.beat("checkpoint_load", step, attempt)
-            _set_collective_timeout(layout, cfg.watchdog.checkpoint_s + 60)  # rank 0 verifies while the others wait
-            restored = checkpointer.load_latest(before_step=verdict.bad_from)
-            _set_collective_timeout(layout, tight_timeout_s)
-            if restored is None:
-                incidents.no_rollback_target(step, attempt, verdict.reason, verdict.bad_from, checkpointer.corrupt)
+    def _judge(self, row: dict, fault_ranks: list[int], skipped: bool, sampled_comm: bool) -> Verdict:
+        """The guard's verdict on the step; rank 0 records what the step showed (faults, a skip, the
+        detector's findings, stragglers on steps whose communication was measured)."""
+        verdict = self.guard.observe(self.step, row["loss"], row["grad_norm"], skipped)
+        self.incidents.step(row, fault_ranks, verdict.findings)
+        if sampled_comm and self.step > self.cfg.stragglers.warmup_steps:
+            self.incidents.stragglers(self.step, self.attempt, self.stragglers.update(self.reporter.busy_s))
+        return verdict
+
+    def recover_oom(self, batch_index: int) -> None:
+        """After the step ran out of memory: halves the micro-batch (oom.halve_microbatch ends the process
+        when only a restart can) and sets the same step up to run again, on the same data."""
+        self.optimizer.zero_grad(set_to_none=True)
+        old = self.cfg.training.microbatches
+        new = oom.halve_microbatch(self.cfg, self.world, self.run_dir, self.rank, self.step)
+        self.incidents.oom(self.step, self.attempt, self.rank, old, new, "in process")
+        self.sampler.rewind_to(batch_index)
+        self.step -= 1
+        self.reporter.restart_clock()
+
+    def roll_back(self, verdict: Verdict) -> None:
+        """Restores the newest good checkpoint saved before the bad steps and moves the sampler past the
+        bad window (recovery.skip_data) or back to the checkpoint's data; a new attempt begins there."""
+        step = self.step
+        self.watchdog.beat("checkpoint_load", step, self.attempt)
+        set_collective_timeout(self.layout, self.cfg.watchdog.checkpoint_s + 60)  # rank 0 verifies while the others wait
+        restored = self.checkpointer.load_latest(before_step=verdict.bad_from)
+        set_collective_timeout(self.layout, self.tight_timeout_s)
+        if restored is None:
+            self.incidents.no_rollback_target(step, self.attempt, verdict.reason, verdict.bad_from, self.checkpointer.corrupt)
+        else:
+            since = restored.train_state["sampler"]["batch_index"]
+            if self.cfg.recovery.skip_data:  # every batch read since the checkpoint, and a margin beyond
+                self.sampler.skip_to(self.sampler.batch_index + self.cfg.recovery.skip_margin)
             else:
-                # Skip the bad window: every batch read since the checkpoint, and a margin beyond.
-                since = restored.train_state["sampler"]["batch_index"]
-                skipped_batches = (since, sampler.batch_index + cfg.recovery.skip_margin if cfg.recovery.skip_data else since)
-                sampler.batch_index = skipped_batches[1]
-                discarded = checkpointer.discard_after(restored.step)
-                guard.rolled_back(restored.step, step)
-                attempt += 1
-                incidents.rollback(step, attempt, verdict.reason, verdict.bad_from, restored, skipped_batches, discarded)
-                step = restored.step
-            reporter.restart_clock()
-            continue
-        if checkpointer.due(step, row["time"]) or (step == cfg.training.steps and checkpointer.enabled):
-            watchdog.beat("checkpoint_save", step, attempt)
-            checkpointer.save(step, train_state(step), row["time"])
-            reporter.restart_clock()
-        incidents.saved(checkpointer.poll(), attempt)
+                self.sampler.rewind_to(since)
+            discarded = self.checkpointer.discard_after(restored.step)
+            self.guard.rolled_back(restored.step, step)
+            self.attempt += 1
+            skipped_batches = (since, self.sampler.batch_index)
+            self.incidents.rollback(step, self.attempt, verdict.reason, verdict.bad_from, restored, skipped_batches, discarded)
+            self.step = restored.step
+        self.reporter.restart_clock()
 
-    watchdog.beat("checkpoint_save", step, attempt)
-    checkpointer.close()
-    incidents.saved(checkpointer.poll(), attempt)
-    watchdog.stop()
-    if recorder is not None:
-        progress.finish()
-        if exit_code == EXIT_OK:
-            recorder.event("run_finished", f"{cfg.training.steps} steps", step=cfg.training.steps, attempt=attempt, rank=0)
-        goodput = goodput_of_run(run_dir)
+    def save_if_due(self, now: float) -> None:
+        """Saves a checkpoint when one is due (`now` is the step's agreed time); rank 0 records the saves
+        that finished since the last step."""
+        step, attempt = self.step, self.attempt
+        if self.checkpointer.maybe_save(
+            step,
+            now,
+            step == self.cfg.training.steps,
+            self._train_state,
+            before_save=lambda: self.watchdog.beat("checkpoint_save", step, attempt),
+        ):
+            self.reporter.restart_clock()
+        self.incidents.saved(self.checkpointer.poll(), attempt)
+
+    def _train_state(self) -> dict:
+        """What a checkpoint records besides the tensors, to resume the run from it."""
+        return {
+            "step": self.step,
+            "attempt": self.attempt,
+            "sampler": self.sampler.state_dict(),
+            "microbatches": self.cfg.training.microbatches,
+            "guard": self.guard.state_dict(),
+        }
+
+    # -- teardown ---------------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Waits for the save in flight, stops the watchdog, closes the run's record (rank 0) and the process group."""
+        self.watchdog.beat("checkpoint_save", self.step, self.attempt)
+        self.checkpointer.close()
+        self.incidents.saved(self.checkpointer.poll(), self.attempt)
+        self.watchdog.stop()
+        if self.recorder is not None:
+            self._record_run_end()
+        if self.world > 1:
+            dist.barrier()
+            dist.destroy_process_group()
+
+    def _record_run_end(self) -> None:
+        """Rank 0: `run_finished` (unless the run stopped on purpose), the run's goodput, then the sinks close."""
+        cfg, recorder = self.cfg, self.recorder
+        self.progress.finish()
+        if self.exit_code == EXIT_OK:
+            recorder.event("run_finished", f"{cfg.training.steps} steps", step=cfg.training.steps, attempt=self.attempt, rank=0)
+        goodput = goodput_of_run(self.run_dir)
         recorder.store.set_meta("goodput", goodput.to_dict())
-        recorder.event("goodput", goodput.summary(), step=step, attempt=attempt, rank=0, data=goodput.to_dict())
+        recorder.event("goodput", goodput.summary(), step=self.step, attempt=self.attempt, rank=0, data=goodput.to_dict())
         print(goodput.summary(), flush=True)
         if cfg.monitor.prometheus_linger_s > 0:
             log.info("keeping /metrics up for %.0f s (monitor.prometheus_linger_s)", cfg.monitor.prometheus_linger_s)
             time.sleep(cfg.monitor.prometheus_linger_s)
         recorder.close()
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
-    return exit_code
 
 
 def fault_plan(cfg: JobConfig, world: int) -> list:
@@ -309,7 +395,10 @@ def _next_attempt(run_dir: Path, rank: int, world: int) -> int:
     value = [0]
     if rank == 0 and (run_dir / STORE_FILE).exists():
         steps, events = read_steps(run_dir), read_events(run_dir)
-        attempts = [int(steps["attempt"].max()) if len(steps) else -1, int(events["attempt"].max()) if events["attempt"].notna().any() else -1]
+        attempts = [
+            int(steps["attempt"].max()) if len(steps) else -1,
+            int(events["attempt"].max()) if events["attempt"].notna().any() else -1,
+        ]
         value = [max(attempts) + 1]
     if world > 1:
         dist.broadcast_object_list(value, src=0)
@@ -325,32 +414,12 @@ def _last_recorded_time(run_dir: Path) -> float | None:
     return max(times) if times else None
 
 
-def _set_collective_timeout(layout: parallel.Layout, seconds: float) -> None:
-    """Sets the timeout of the default process group and the mesh groups (a private torch API: if it
-    moves, the start-up timeout stays, which is safe, only less tight)."""
-    if layout.mesh is None:
-        return
-    try:
-        for group in [None] + [layout.group(d) for d in ("pp", "dp", "tp")]:
-            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
-    except (AttributeError, RuntimeError) as e:
-        log.info("could not change process-group timeouts (%s)", e)
-
-
-def _sum_over_ranks(value: float, device: torch.device, world: int) -> float:
-    if world == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.item()
-
-
 def _setup_logging(run_dir: Path, rank: int) -> None:
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(run_dir / "logs" / f"rank-{rank}.log")
+    (run_dir / LOG_DIR).mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / LOG_DIR / rank_log_name(rank))
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("keel")
-    for old in list(root.handlers):  # a second train() in one process (benchmarks) logs to its own run only
+    for old in list(root.handlers):  # a second Trainer in one process (benchmarks) logs to its own run only
         root.removeHandler(old)
         old.close()
     root.setLevel(logging.INFO)
@@ -379,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         if world > 1:
             dist.broadcast_object_list(names, src=0)
         cfg.run.run_id, cfg.run.run_dir = names
-    train(cfg, device, rank, world, process_start)
+    Trainer(cfg, device, rank, world, process_start).train()
     # A run that stopped on purpose (the rollback cap) recorded `run_stopped` with its exit code, which
     # `keel train` returns; the worker itself ends cleanly, or torchrun would restart it.
     return EXIT_OK

@@ -25,8 +25,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from keel.monitor.exits import EXIT_HANG
+from keel.monitor.run_dir import DUMP_DIR
 from keel.trainer.config import WatchdogConfig
-from keel.trainer.exits import EXIT_HANG
 
 log = logging.getLogger("keel.watchdog")
 
@@ -39,7 +40,7 @@ _LONG_PHASES = {"startup": "startup_s", "checkpoint_save": "checkpoint_s", "chec
 class Watchdog:
     def __init__(self, cfg: WatchdogConfig, run_dir: str | Path, rank: int, on_hang: Callable[[dict], None] | None = None):
         self.cfg, self.rank, self.on_hang = cfg, rank, on_hang
-        self.dumps = Path(run_dir) / "dumps"
+        self.dumps = Path(run_dir) / DUMP_DIR
         self.phase, self.step, self.attempt = "startup", 0, 0
         self.last_beat = time.monotonic()
         self.steps_timed, self.longest_step_s = 0, 0.0
@@ -68,8 +69,14 @@ class Watchdog:
         (about 140 us), so it happens at most once a poll, or when the phase changes; the deadline
         then reaches one poll further, so a beat that did not re-arm still gets its full allowance."""
         allowed = self.timeout_s() + 2 * self.cfg.poll_s
-        info = {"rank": self.rank, "step": self.step, "attempt": self.attempt, "phase": self.phase,
-                "stalled_s": round(allowed, 3), "timeout_s": round(allowed, 3)}
+        info = {
+            "rank": self.rank,
+            "step": self.step,
+            "attempt": self.attempt,
+            "phase": self.phase,
+            "stalled_s": round(allowed, 3),
+            "timeout_s": round(allowed, 3),
+        }
         self._stall.seek(0)
         self._stall.write(json.dumps(info).ljust(_STALL_HEADER) + "\n")  # faulthandler appends the stacks after it
         self._stall.flush()
@@ -107,19 +114,33 @@ class Watchdog:
 
     def _fire(self, stalled: float, timeout: float) -> None:
         faulthandler.cancel_dump_traceback_later()  # this thread runs: the exit below is the one that counts
-        info = {"rank": self.rank, "step": self.step, "attempt": self.attempt, "phase": self.phase,
-                "stalled_s": round(stalled, 3), "timeout_s": round(timeout, 3)}
+        info = {
+            "rank": self.rank,
+            "step": self.step,
+            "attempt": self.attempt,
+            "phase": self.phase,
+            "stalled_s": round(stalled, 3),
+            "timeout_s": round(timeout, 3),
+        }
         self.dumps.mkdir(parents=True, exist_ok=True)
         path = self.dumps / f"hang-attempt{self.attempt}-step{self.step}-rank{self.rank}.txt"
         with open(path, "w") as f:
-            f.write(f"keel hang watchdog: rank {self.rank} made no progress for {stalled:.1f} s "
-                    f"(allowed {timeout:.1f} s) in phase '{self.phase}' of step {self.step}, attempt {self.attempt}\n")
+            f.write(
+                f"keel hang watchdog: rank {self.rank} made no progress for {stalled:.1f} s "
+                f"(allowed {timeout:.1f} s) in phase '{self.phase}' of step {self.step}, attempt {self.attempt}\n"
+            )
             f.write(f"pid {os.getpid()}; the last collective this rank entered belongs to that phase\n\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         info["dump"] = str(path)
-        log.error("hang: no progress for %.1f s in %s of step %d; stacks in %s; exiting with code %d",
-                  stalled, self.phase, self.step, path, EXIT_HANG)
+        log.error(
+            "hang: no progress for %.1f s in %s of step %d; stacks in %s; exiting with code %d",
+            stalled,
+            self.phase,
+            self.step,
+            path,
+            EXIT_HANG,
+        )
         try:
             if self.on_hang is not None:
                 self.on_hang(info)
@@ -135,7 +156,7 @@ def stalled_dumps(run_dir: str | Path) -> list[dict]:
     """The stall dumps that faulthandler wrote for processes whose GIL was held, as hang reports (the
     `info` of a hang), each renamed to hang-attempt<A>-step<S>-rank<R>-gil.txt so it is reported once."""
     found = []
-    for path in sorted((Path(run_dir) / "dumps").glob("stall-rank*-pid*.txt")):
+    for path in sorted((Path(run_dir) / DUMP_DIR).glob("stall-rank*-pid*.txt")):
         text = path.read_text(errors="replace")
         if len(text) <= _STALL_HEADER + 1:
             continue  # armed, never fired: a process that is running, or one that was killed

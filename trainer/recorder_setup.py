@@ -26,8 +26,17 @@ def build_sinks(cfg: JobConfig, run_dir: Path) -> list[Sink]:
     if m.wandb and m.wandb_mode != "disabled":
         from keel.monitor.wandb_sink import WandbSink
 
-        makers.append(lambda: WandbSink(cfg.run.run_id, redact(cfg.to_dict()), project=m.wandb_project, mode=m.wandb_mode, run_dir=run_dir,
-                                         alert_throttle_s=m.alert_throttle_s, min_interval_s=m.wandb_min_interval_s))
+        makers.append(
+            lambda: WandbSink(
+                cfg.run.run_id,
+                redact(cfg.to_dict()),
+                project=m.wandb_project,
+                mode=m.wandb_mode,
+                run_dir=run_dir,
+                alert_throttle_s=m.alert_throttle_s,
+                min_interval_s=m.wandb_min_interval_s,
+            )
+        )
     webhook_url = m.webhook_url or os.environ.get("KEEL_WEBHOOK_URL", "")
     if webhook_url:
         from keel.monitor.webhook import WebhookSink
@@ -43,4 +52,5 @@ def build_sinks(cfg: JobConfig, run_dir: Path) -> list[Sink]:
 
 
 def build_recorder(cfg: JobConfig, run_dir: Path) -> RunRecorder:
-    return RunRecorder(cfg.run.run_id, RunStore(run_dir), build_sinks(cfg, run_dir), cfg.monitor.alert_throttle_s, cfg.monitor.sink_queue_size)
+    store = RunStore(run_dir)
+    return RunRecorder(cfg.run.run_id, store, build_sinks(cfg, run_dir), cfg.monitor.alert_throttle_s, cfg.monitor.sink_queue_size)

@@ -1,4 +1,7 @@
-"""Exit codes with a meaning, in one place. `keel train` returns them; job scripts and drills branch on them.
+"""Exit codes with a meaning, in one place. Every `keel` command returns them; job scripts and drills branch on them.
+
+They live in the monitor, the lowest layer, because they are part of the run's record (a `run_stopped`
+event stores its code) and every component returns or reads them.
 
 A worker exits with EXIT_HANG or EXIT_OOM_RESTART so that torchrun restarts the group (these are
 failures torchrun must see). A run that stops on purpose (the rollback cap) ends its workers cleanly,
@@ -7,10 +10,20 @@ back and returns it.
 """
 
 EXIT_OK = 0
-EXIT_FAILED = 1  # a worker failed for another reason and torchrun gave up
+EXIT_FAILED = 1  # the command failed: a worker failed and torchrun gave up, a drill or a preflight check failed
 EXIT_CONFIG = 2  # bad input, reported before any worker started
 EXIT_HANG = 3  # the hang watchdog fired (a worker's exit code; torchrun restarts the group)
 EXIT_ROLLBACK_CAP = 4  # too many rollbacks without progress: the run stopped instead of looping
 EXIT_OOM_RESTART = 5  # out of memory with collectives in flight: restart with half the micro-batch
 EXIT_OOM = 6  # out of memory and the micro-batch cannot be halved again
 
+
+# Each code in a few words, for reports (a drill's verdict names how its run ended).
+EXIT_MEANINGS = {
+    EXIT_FAILED: "a worker failed and torchrun gave up",
+    EXIT_CONFIG: "bad configuration",
+    EXIT_HANG: "hang",
+    EXIT_ROLLBACK_CAP: "rollback cap reached",
+    EXIT_OOM_RESTART: "OOM restart",
+    EXIT_OOM: "out of memory at the smallest micro-batch",
+}

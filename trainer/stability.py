@@ -68,8 +68,12 @@ class StabilityGuard:
             self.detector.rewind(to_step)
 
     def state_dict(self) -> dict:
-        return {"rollbacks_without_progress": self.rollbacks_without_progress, "last_trigger_step": self.last_trigger_step,
-                "lr_factor_until": self.lr_factor_until, "detector": self.detector.state_dict() if self.detector else None}
+        return {
+            "rollbacks_without_progress": self.rollbacks_without_progress,
+            "last_trigger_step": self.last_trigger_step,
+            "lr_factor_until": self.lr_factor_until,
+            "detector": self.detector.state_dict() if self.detector else None,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.rollbacks_without_progress = state["rollbacks_without_progress"]

@@ -1,0 +1,52 @@
+"""The run directory's layout: the name of everything a run leaves in RUN_DIR, defined once for every component.
+
+    RUN_DIR/
+        run.sqlite                   the run store (keel.monitor.store)
+        config.toml                  the resolved config, secrets redacted; `keel train --resume` reads it
+        logs/rank-<R>.log            each rank's log
+        dumps/                       hang and stall dumps (keel.trainer.watchdog), NCCL flight-recorder traces
+        checkpoints/step-XXXXXXXX/   finished checkpoints, each with its manifest.json (keel.trainer.checkpoint)
+        chaos/injected.jsonl         one line per injected fault, beside the faults' fire-once markers
+        control/faults/              live fault requests left by `keel inject`
+        control/microbatches.json    the micro-batch setting an out-of-memory restart hands to the next attempt
+        drills/drill-<time>/         `keel drill`'s runs and reports
+
+Only names and path arithmetic live here (no torch, no I/O beyond listing a folder), so any
+component may import it at no cost.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+STORE_FILE = "run.sqlite"
+CONFIG_FILE = "config.toml"
+LOG_DIR = "logs"
+DUMP_DIR = "dumps"
+CHECKPOINT_DIR = "checkpoints"
+MANIFEST = "manifest.json"
+CHAOS_DIR = "chaos"
+INJECTED_FILE = "injected.jsonl"
+CONTROL_DIR = "control"
+FAULT_REQUEST_DIR = Path(CONTROL_DIR) / "faults"
+MICROBATCH_FILE = Path(CONTROL_DIR) / "microbatches.json"
+DRILL_DIR = "drills"
+
+# A finished checkpoint's folder; a save in flight or one found corrupt has another name and never matches.
+CHECKPOINT_PATTERN = re.compile(r"^step-(\d{8})$")
+
+
+def rank_log_name(rank: int) -> str:
+    return f"rank-{rank}.log"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Finished checkpoints of a run, oldest first (unverified)."""
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    found = [(int(m.group(1)), p) for p in folder.glob("step-*") if (m := CHECKPOINT_PATTERN.match(p.name)) and p.is_dir()]
+    return sorted(found)

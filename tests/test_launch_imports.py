@@ -1,0 +1,30 @@
+"""`keel train` checks its input without importing torch, so a mistake costs well under a second."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--dp", "3"],  # fails in validate(), after the model shape is checked
+        ["--fault", "nan@step=2,rank=0", "--fault", "melt@step=3"],  # a good spec parsed, then a bad one
+    ],
+    ids=["bad layout", "bad fault"],
+)
+def test_a_config_error_ends_before_torch_is_imported(args):
+    code = textwrap.dedent(f"""
+        import sys
+        import keel.cli
+        code = keel.cli.main(["train", "--config", "tiny", *{args!r}])
+        print(code, "torch" in sys.modules)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "keel train: error:" in proc.stderr
+    assert proc.stdout.split() == ["2", "False"], "`keel train` imported torch before reporting a config error"

@@ -1,0 +1,68 @@
+"""The process group: starting it from torchrun's or srun's variables, its collective timeouts, and
+the small collectives the trainer needs outside the model (a sum over ranks)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from keel.trainer.parallel import Layout
+
+# The train loop's logger: these lines belong to its start-up and recovery story in the rank logs.
+log = logging.getLogger("keel.train")
+
+
+def init_distributed(startup_timeout_s: float = 600.0) -> tuple[torch.device, int, int]:
+    """(device, rank, world size). Reads torchrun's variables, or srun's when torchrun's are absent.
+    Collectives may wait `startup_timeout_s` at first (ranks load and build at different speeds)."""
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+        os.environ.update(
+            RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"], LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0")
+        )
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1:
+        timeout = timedelta(seconds=startup_timeout_s)
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        # After a torchrun restart the rendezvous store still holds the previous group's keys (its
+        # workers' addresses); a fresh namespace per restart keeps the new group from reading them.
+        store = dist.PrefixStore(f"keel/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            device_id=device if device.type == "cuda" else None,
+            store=store,
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+        )
+    return device, rank, world
+
+
+def set_collective_timeout(layout: Layout, seconds: float) -> None:
+    """Sets the timeout of the default process group and the mesh groups (a private torch API: if it
+    moves, the start-up timeout stays, which is safe, only less tight)."""
+    if layout.mesh is None:
+        return
+    try:
+        for group in [None] + [layout.group(d) for d in ("pp", "dp", "tp")]:
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+    except (AttributeError, RuntimeError) as e:
+        log.info("could not change process-group timeouts (%s)", e)
+
+
+def sum_over_ranks(value: float, device: torch.device, world: int) -> float:
+    """`value` summed over all ranks (float64), on every rank."""
+    if world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item()
