@@ -25,14 +25,10 @@ from keel.trainer.launch import parse_train_args
 from keel.trainer.train import Trainer
 
 WIDE = [
-    "--config",
-    "small",
-    "--pp",
-    "1",
-    "--dp",
-    "1",
-    "--tp",
-    "1",
+    "--config=small",
+    "--pp=1",
+    "--dp=1",
+    "--tp=1",
     "--model.dim=1024",
     "--model.n_layers=4",
     "--model.ffn_dim=4096",
@@ -49,12 +45,9 @@ def run(run_dir: Path, steps: int, async_save: bool) -> tuple[list[float], float
     cfg, _ = parse_train_args(
         [
             *WIDE,
-            "--steps",
-            str(steps),
-            "--run-dir",
-            str(run_dir),
-            "--run.run_id",
-            run_dir.name,
+            f"--steps={steps}",
+            f"--run-dir={run_dir}",
+            f"--run.run_id={run_dir.name}",
             f"--checkpoint.async_save={str(async_save).lower()}",
         ],
         world_size=1,

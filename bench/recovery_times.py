@@ -36,20 +36,14 @@ def rollback(tmp: Path, preset: str) -> None:
     run_dir = tmp / "rollback"
     keel_train(
         run_dir,
-        "--config",
-        preset,
-        "--pp",
-        "1",
-        "--dp",
-        "1",
-        "--tp",
-        "1",
-        "--steps",
-        "120",
+        f"--config={preset}",
+        "--pp=1",
+        "--dp=1",
+        "--tp=1",
+        "--steps=120",
         "--checkpoint.interval_steps=20",
         "--spike.warmup_steps=30",
-        "--fault",
-        "spike@step=90,steps=5",
+        "--fault=spike@step=90,steps=5",
     )
     steps, events = read_steps(run_dir), read_events(run_dir)
     rb = events[events.kind == "rollback"].iloc[0]
@@ -68,19 +62,13 @@ def hang(tmp: Path, preset: str) -> None:
     run_dir = tmp / "hang"
     keel_train(
         run_dir,
-        "--config",
-        preset,
-        "--dp",
-        "2",
-        "--pp",
-        "1",
-        "--tp",
-        "1",
-        "--steps",
-        "30",
+        f"--config={preset}",
+        "--dp=2",
+        "--pp=1",
+        "--tp=1",
+        "--steps=30",
         "--checkpoint.interval_steps=10",
-        "--fault",
-        "hang@step=20,rank=1",
+        "--fault=hang@step=20,rank=1",
         "--watchdog.floor_s=5",
         "--watchdog.warmup_steps=3",
     )

@@ -74,10 +74,7 @@ DRILLS = {
         Drill("slow_comm", ("slow_comm@step={S},rank={R},steps=1000,ms={MS}",), _SLOW, min_stage_ranks=2),
     ]
 }
-SUITES = {
-    "standard": ["nan", "spike", "oom", "hang", "crash", "ckpt_corrupt", "straggler", "slow_comm"],
-    "full": list(DRILLS),
-}
+SUITES = {"standard": ["nan", "spike", "oom", "hang", "crash", "ckpt_corrupt", "straggler", "slow_comm"], "full": list(DRILLS)}
 # What a fault given as a spec (--faults "hang@step=30,rank=1") must cause: the same as its drill.
 _BY_KIND = {
     "nan": "nan",
@@ -256,10 +253,8 @@ class DrillRunner:
             "keel.cli",
             "train",
             *s.job_argv,
-            "--run-dir",
-            str(run_dir),
-            "--steps",
-            str(s.steps),
+            f"--run-dir={run_dir}",
+            f"--steps={s.steps}",
             f"--checkpoint.interval_steps={s.checkpoint_every}",
             f"--watchdog.floor_s={s.watchdog_floor}",
             "--monitor.prometheus=false",

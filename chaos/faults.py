@@ -23,6 +23,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -119,9 +120,11 @@ class FaultPlan:
                 self._fire(fault, f"lr x{fault.lr:g}")
         return scale
 
-    def at_step_start(self, parts: list[torch.nn.Module]) -> None:
+    def at_step_start(self, parts: list[torch.nn.Module], settle_checkpoints: Callable[[], None] = lambda: None) -> None:
         """Hook at the start of a step, before its first collective: the faults that hit the process,
-        the parameters and the checkpoint folder."""
+        the parameters and the checkpoint folder. `settle_checkpoints` waits for this rank's save in
+        flight: ckpt_corrupt damages the newest checkpoint as it ends up on disk, not the one before it
+        (a background save finishing after the flip would hide the fault from the next load)."""
         for fault in self._due("straggler"):
             self._fire(fault)
             time.sleep(fault.ms / 1000)
@@ -132,6 +135,7 @@ class FaultPlan:
                 _scale_first_tensor([p for part in parts for p in part.parameters()], NONFINITE[fault.kind])
         for fault in self._due("ckpt_corrupt"):
             if self.rank == 0:
+                settle_checkpoints()
                 self._fire(fault, _flip_newest_checkpoint(self.run_dir))
             self._spend(fault)
         for fault in self._due("oom", "crash", "segfault", "hang", "deadlock"):

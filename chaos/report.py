@@ -16,6 +16,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
 
 from keel.chaos.verdict import DrillResult  # noqa: E402
 from keel.monitor.run_dir import STORE_FILE  # noqa: E402
@@ -122,77 +123,84 @@ def plot(results: list[DrillResult], reference_dir: Path, out: Path) -> None:
     for ax in axes.flat[len(shown) :]:
         ax.axis("off")
     for ax, r in zip(axes.flat, shown):
-        run_dir = Path(r.run_dir)
-        every, kept = read_steps(run_dir), read_steps(run_dir, effective=True)
-        compared = run_dir.parent / str(r.loss_compared_with)
-        if r.loss_compared_with and r.loss_compared_with != "reference" and (compared / STORE_FILE).exists():
-            base, base_label = read_steps(compared, effective=True), "reference that skipped the same batches"
-        else:
-            base, base_label = reference, "reference (no fault)"
-        if base is not None:
-            ax.plot(base.step, base.loss, color="0.6", lw=3, label=base_label)
-        dropped = every.merge(kept[["step", "attempt"]], on=["step", "attempt"], how="left", indicator=True)
-        dropped = dropped[dropped["_merge"] == "left_only"]
-        ax.plot(kept.step, kept.loss, color="tab:blue", lw=1.2, label="the run: kept trajectory")
-        ax.scatter(
-            dropped.step,
-            dropped.loss.clip(upper=_ceiling(every, reference)),
-            marker="x",
-            color="tab:red",
-            s=22,
-            zorder=3,
-            label="the run: steps thrown away",
-        )
-        if r.fault_step is not None:
-            ax.axvline(r.fault_step, color="tab:red", lw=1.5, label=f"fault (step {r.fault_step})")
-        if r.detected and r.detection_step is not None:
-            ax.axvline(
-                r.detection_step + 0.3,
-                color="tab:orange",
-                lw=1.5,
-                ls="--",
-                label=f"detected: {r.detected_by} (+{r.detection_latency_s:.1f} s)",
-            )
-        if r.recovered_step is not None and len(dropped):
-            # The recovery went back in steps (a rollback or a restart from a checkpoint): shade what ran again.
-            end = int(dropped.step.max())
-            ax.axvspan(
-                r.recovered_step - 0.5,
-                end + 0.5,
-                color="tab:green",
-                alpha=0.15,
-                label=f"recovered: steps {r.recovered_step}-{end} ran again ({r.time_to_recover_s:.1f} s)",
-            )
-        elif r.recovered_step is not None:
-            ax.axvline(
-                r.recovered_step - 0.3,
-                color="tab:green",
-                lw=1.5,
-                ls=":",
-                label=f"recovered: step {r.recovered_step} ({r.time_to_recover_s:.1f} s)",
-            )
-        if r.recovered and r.recovered_step is None:
-            # A slow rank leaves the loss alone: what changes is the step time, so draw that too.
-            slow = ax.twinx()
-            if reference is not None:
-                slow.plot(reference.step, reference.step_time_s, color="tab:purple", lw=0.8, ls=":", label="reference step time")
-            slow.plot(kept.step, kept.step_time_s, color="tab:purple", lw=1.2, label="the run's step time")
-            slow.set_ylabel("step time (s)", color="tab:purple")
-            slow.set_ylim(bottom=0)
-            legend_on = slow  # drawn last, so its legend lies above both axes' lines
-        else:
-            legend_on = ax
-        ax.set_ylim(top=_ceiling(every, reference) * 1.05)
-        ax.set_title(f"{r.name}: {r.status.upper()}", color="tab:green" if r.status == "pass" else "tab:red", fontweight="bold")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.grid(alpha=0.3)
-        handles = [h for a in dict.fromkeys([ax, legend_on]) for h in a.get_legend_handles_labels()[0]]
-        legend_on.legend(handles=handles, fontsize=6.5, loc="upper right", framealpha=0.9)
+        _draw_panel(ax, r, reference)
     fig.suptitle("Keel drill: the loss of each fault's run against its reference")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def _draw_panel(ax, r: DrillResult, reference: pd.DataFrame | None) -> None:
+    """One drill's panel: its kept trajectory against the reference it was compared with, the steps it
+    threw away, the fault, its detection and recovery (and the step time for a slow rank)."""
+    run_dir = Path(r.run_dir)
+    every, kept = read_steps(run_dir), read_steps(run_dir, effective=True)
+    compared = run_dir.parent / str(r.loss_compared_with)
+    if r.loss_compared_with and r.loss_compared_with != "reference" and (compared / STORE_FILE).exists():
+        base, base_label = read_steps(compared, effective=True), "reference that skipped the same batches"
+    else:
+        base, base_label = reference, "reference (no fault)"
+    if base is not None:
+        ax.plot(base.step, base.loss, color="0.6", lw=3, label=base_label)
+    dropped = every.merge(kept[["step", "attempt"]], on=["step", "attempt"], how="left", indicator=True)
+    dropped = dropped[dropped["_merge"] == "left_only"]
+    ax.plot(kept.step, kept.loss, color="tab:blue", lw=1.2, label="the run: kept trajectory")
+    ax.scatter(
+        dropped.step,
+        dropped.loss.clip(upper=_ceiling(every, reference)),
+        marker="x",
+        color="tab:red",
+        s=22,
+        zorder=3,
+        label="the run: steps thrown away",
+    )
+    _mark_fault_and_recovery(ax, r, dropped)
+    if r.recovered and r.recovered_step is None:
+        # A slow rank leaves the loss alone: what changes is the step time, so draw that too.
+        slow = ax.twinx()
+        if reference is not None:
+            slow.plot(reference.step, reference.step_time_s, color="tab:purple", lw=0.8, ls=":", label="reference step time")
+        slow.plot(kept.step, kept.step_time_s, color="tab:purple", lw=1.2, label="the run's step time")
+        slow.set_ylabel("step time (s)", color="tab:purple")
+        slow.set_ylim(bottom=0)
+        legend_on = slow  # drawn last, so its legend lies above both axes' lines
+    else:
+        legend_on = ax
+    ax.set_ylim(top=_ceiling(every, reference) * 1.05)
+    ax.set_title(f"{r.name}: {r.status.upper()}", color="tab:green" if r.status == "pass" else "tab:red", fontweight="bold")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    handles = [h for a in dict.fromkeys([ax, legend_on]) for h in a.get_legend_handles_labels()[0]]
+    legend_on.legend(handles=handles, fontsize=6.5, loc="upper right", framealpha=0.9)
+
+
+def _mark_fault_and_recovery(ax, r: DrillResult, dropped: pd.DataFrame) -> None:
+    """Vertical marks at the fault and its detection; the steps that ran again after the recovery shaded."""
+    if r.fault_step is not None:
+        ax.axvline(r.fault_step, color="tab:red", lw=1.5, label=f"fault (step {r.fault_step})")
+    if r.detected and r.detection_step is not None:
+        ax.axvline(
+            r.detection_step + 0.3, color="tab:orange", lw=1.5, ls="--", label=f"detected: {r.detected_by} (+{r.detection_latency_s:.1f} s)"
+        )
+    if r.recovered_step is not None and len(dropped):
+        # The recovery went back in steps (a rollback or a restart from a checkpoint): shade what ran again.
+        end = int(dropped.step.max())
+        ax.axvspan(
+            r.recovered_step - 0.5,
+            end + 0.5,
+            color="tab:green",
+            alpha=0.15,
+            label=f"recovered: steps {r.recovered_step}-{end} ran again ({r.time_to_recover_s:.1f} s)",
+        )
+    elif r.recovered_step is not None:
+        ax.axvline(
+            r.recovered_step - 0.3,
+            color="tab:green",
+            lw=1.5,
+            ls=":",
+            label=f"recovered: step {r.recovered_step} ({r.time_to_recover_s:.1f} s)",
+        )
 
 
 def _ceiling(every, reference) -> float:

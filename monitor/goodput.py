@@ -33,12 +33,7 @@ class Goodput:
         return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
 
     def to_dict(self) -> dict:
-        return {
-            "wall_s": self.wall_s,
-            "productive_s": self.productive_s,
-            "goodput": self.goodput,
-            "lost_s": dict(self.lost_s),
-        }
+        return {"wall_s": self.wall_s, "productive_s": self.productive_s, "goodput": self.goodput, "lost_s": dict(self.lost_s)}
 
     def summary(self) -> str:
         """One line for the end-of-run console summary; causes with no lost time are left out, largest first."""

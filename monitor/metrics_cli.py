@@ -24,8 +24,7 @@ _TABLE_FORMATS = {
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="keel metrics",
-        description="Print a run's step metrics: the last attempt of each step unless --all-attempts.",
+        prog="keel metrics", description="Print a run's step metrics: the last attempt of each step unless --all-attempts."
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by `keel train`")
     parser.add_argument("--csv", action="store_true", help="write every step column as CSV")

@@ -66,11 +66,7 @@ class WandbSink:
         self._last_logged_at: float | None = None
         self._last_attempt: int | None = None
         self._held: dict[str, Any] | None = None  # the newest step not logged yet
-        self._levels = {
-            "critical": wandb.AlertLevel.ERROR,
-            "warning": wandb.AlertLevel.WARN,
-            "info": wandb.AlertLevel.INFO,
-        }
+        self._levels = {"critical": wandb.AlertLevel.ERROR, "warning": wandb.AlertLevel.WARN, "info": wandb.AlertLevel.INFO}
         # console="off": Keel keeps its own logs, and wandb's capture would rewrap sys.stdout for everyone.
         # reinit="create_new": a run the user's own code opened is left alone.
         settings = wandb.Settings(mode=mode, silent=True, console="off", reinit="create_new", init_timeout=_INIT_TIMEOUT_S)
@@ -83,13 +79,7 @@ class WandbSink:
             # than WANDB_MODE/WANDB_SILENT keeps os.environ (inherited by workers) as the user left it.
             wandb.setup(wandb.Settings(mode=mode, silent=True))
             self._run = wandb.init(
-                project=project,
-                id=run_id,
-                name=run_id,
-                dir=run_dir,
-                config=redact(config),
-                resume="allow",
-                settings=settings,
+                project=project, id=run_id, name=run_id, dir=run_dir, config=redact(config), resume="allow", settings=settings
             )
             # After a rollback step numbers repeat, and W&B drops rows whose step goes back: let wandb's
             # own step count rows and plot everything against train/step.

@@ -55,12 +55,9 @@ def test_train_module_under_plain_torchrun(tmp_path):
             "--nproc-per-node=2",
             "-m",
             "keel.trainer.train",
-            "--config",
-            "tiny",
-            "--dp",
-            "2",
-            "--steps",
-            "3",
+            "--config=tiny",
+            "--dp=2",
+            "--steps=3",
         ],
         cwd=tmp_path,
         capture_output=True,
@@ -76,26 +73,9 @@ def test_train_module_under_plain_torchrun(tmp_path):
 
 
 def test_multi_node_flags_pass_through_to_torchrun():
-    cfg, opts = parse_train_args(
-        [
-            "--config",
-            "tiny",
-            "--pp",
-            "2",
-            "--dp",
-            "4",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--rdzv-endpoint",
-            "head:29500",
-            "--rdzv-id",
-            "job7",
-            "--max-restarts",
-            "3",
-        ]
-    )
+    # Written as a user types them on each node (values after a space).
+    argv = "--config tiny --pp 2 --dp 4 --nnodes 2 --node-rank 1 --rdzv-endpoint head:29500 --rdzv-id job7 --max-restarts 3"
+    cfg, opts = parse_train_args(argv.split())
     cmd = torchrun_command(cfg, opts, ["--config", "tiny"])
     assert "--nproc-per-node=4" in cmd and "--nnodes=2" in cmd and "--node-rank=1" in cmd
     assert "--rdzv-endpoint=head:29500" in cmd and "--rdzv-id=job7" in cmd and "--max-restarts=3" in cmd

@@ -62,20 +62,13 @@ def test_collective_faults_recover_at_pp2_dp2_tp2(tmp_path):
     code, report, folder, output = drill(
         tmp_path / "job",
         *TINY,
-        "--pp",
-        "2",
-        "--dp",
-        "2",
-        "--tp",
-        "2",
-        "--faults",
-        "hang;crash;slow_comm",
-        "--drill-steps",
-        "16",
-        "--fault-step",
-        "9",
-        "--checkpoint-every",
-        "4",
+        "--pp=2",
+        "--dp=2",
+        "--tp=2",
+        "--faults=hang;crash;slow_comm",
+        "--drill-steps=16",
+        "--fault-step=9",
+        "--checkpoint-every=4",
     )
     results = by_name(report)
     assert code == 0 and report["passed"], output[-4000:]
@@ -102,18 +95,7 @@ def test_collective_faults_recover_at_pp2_dp2_tp2(tmp_path):
 
 def test_a_straggler_is_named_in_a_dp2_drill(tmp_path):
     code, report, _, output = drill(
-        tmp_path / "job",
-        *TINY,
-        "--dp",
-        "2",
-        "--faults",
-        "straggler",
-        "--drill-steps",
-        "24",
-        "--fault-step",
-        "10",
-        "--checkpoint-every",
-        "5",
+        tmp_path / "job", *TINY, "--dp=2", "--faults=straggler", "--drill-steps=24", "--fault-step=10", "--checkpoint-every=5"
     )
     [r] = report["results"]
     assert code == 0 and r["status"] == "pass", output[-3000:]
@@ -163,13 +145,10 @@ def test_keel_inject_hits_a_running_job(tmp_path):
         "-m",
         "keel.cli",
         "train",
-        "--run-dir",
-        str(run_dir),
+        f"--run-dir={run_dir}",
         *TINY,
-        "--steps",
-        "80",
-        "--fault",
-        "straggler@step=1,steps=80,ms=60",
+        "--steps=80",
+        "--fault=straggler@step=1,steps=80,ms=60",
         "--checkpoint.interval_steps=10",
     ]
     with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True) as job:

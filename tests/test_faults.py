@@ -143,6 +143,26 @@ def test_ckpt_corrupt_flips_bytes_of_the_newest_complete_checkpoint(tmp_path):
     assert sum(a != b for a, b in zip(changed, bytes(range(256)) * 4)) == 16
 
 
+def test_ckpt_corrupt_waits_for_the_save_in_flight_and_flips_that_one(tmp_path):
+    """The drill's corrupt checkpoint must be the one the next load reads: a background save that lands
+    after the flip would otherwise be loaded clean and the fault never seen (found under load in CI)."""
+    shard = bytes(range(256)) * 4
+
+    def write_checkpoint(step: int) -> None:
+        folder = tmp_path / "checkpoints" / f"step-{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "__0_0.distcp").write_bytes(shard)
+        (folder / "manifest.json").write_text("{}")
+
+    write_checkpoint(15)
+    plan = FaultPlan([parse_fault("ckpt_corrupt@step=22")], rank=0, run_dir=tmp_path)
+    plan.begin_step(22)
+    plan.at_step_start([], settle_checkpoints=lambda: write_checkpoint(20))  # the save of step 20 lands
+    assert (tmp_path / "checkpoints" / "step-00000015" / "__0_0.distcp").read_bytes() == shard
+    changed = (tmp_path / "checkpoints" / "step-00000020" / "__0_0.distcp").read_bytes()
+    assert sum(a != b for a, b in zip(changed, shard)) == 16
+
+
 def test_a_held_gil_is_caught_by_the_watchdog_backstop(tmp_path):
     """The hang watchdog is a Python thread, which a held GIL stops too; faulthandler's timer is not."""
     code = textwrap.dedent(f"""

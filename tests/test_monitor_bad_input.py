@@ -63,8 +63,7 @@ def test_no_secret_reaches_the_run_directory_logs_or_wandb(tmp_path):
             f"--monitor.webhook_url={secret_url}",
             "--monitor.wandb=true",
             "--monitor.wandb_mode=offline",
-            "--fault",
-            "nan@step=3",
+            "--fault=nan@step=3",
             env={"WANDB_API_KEY": WANDB_KEY, "HOME": str(tmp_path / "home")},
         )
         assert proc.returncode == 0, proc.stderr[-3000:]

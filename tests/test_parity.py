@@ -16,8 +16,7 @@ LAYOUTS = {
     "tp2": ["--tp", "2"],
     "pp2-1F1B": ["--pp", "2", "--parallel.pp_schedule=1F1B"],
     "pp2-interleaved-v2": [
-        "--pp",
-        "2",
+        "--pp=2",
         "--parallel.pp_schedule=Interleaved1F1B",
         "--parallel.pp_virtual_stages=2",
         "--training.microbatches=4",

@@ -30,19 +30,7 @@ def number(pattern: str, text: str) -> float:
 def test_preflight_passes_for_a_pipeline_and_data_parallel_job(tmp_path):
     # Preflight's own options mixed with keel train's flags and a dotted override.
     proc = keel(
-        "preflight",
-        "--config",
-        "tiny",
-        "--timeout",
-        "60",
-        "--pp",
-        "2",
-        "--dp",
-        "2",
-        "--min-bandwidth-gbps",
-        "0.001",
-        "--optim.lr=3e-3",
-        cwd=tmp_path,
+        "preflight", "--config=tiny", "--timeout=60", "--pp=2", "--dp=2", "--min-bandwidth-gbps=0.001", "--optim.lr=3e-3", cwd=tmp_path
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     rows = table(proc.stdout)

@@ -31,17 +31,13 @@ def test_corrupt_checkpoint_falls_back_to_previous(tmp_path):
     # (saved synchronously, so the save of step 12 is surely complete when the crash comes).
     proc = keel(
         "train",
-        "--run-dir",
-        str(run_dir),
+        f"--run-dir={run_dir}",
         *TINY,
-        "--steps",
-        "16",
+        "--steps=16",
         "--checkpoint.interval_steps=4",
         "--checkpoint.async_save=false",
-        "--fault",
-        "crash@step=13",
-        "--max-restarts",
-        "0",
+        "--fault=crash@step=13",
+        "--max-restarts=0",
     )
     assert proc.returncode != 0
     first = read_steps(run_dir)
@@ -132,11 +128,9 @@ def test_spike_without_data_skip_hits_the_rollback_cap(tmp_path):
     run_dir = tmp_path / "run"
     proc = keel(
         "train",
-        "--run-dir",
-        str(run_dir),
+        f"--run-dir={run_dir}",
         *SPIKE_RUN,
-        "--fault",
-        "spike@step=100,steps=5",
+        "--fault=spike@step=100,steps=5",
         "--recovery.skip_margin=0",
         "--recovery.max_rollbacks=2",
         "--recovery.skip_data=false",

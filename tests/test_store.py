@@ -14,15 +14,7 @@ import pandas as pd
 import pytest
 
 from keel.monitor import metrics_cli
-from keel.monitor.store import (
-    RANK_COLUMNS,
-    STEP_COLUMNS,
-    RunStore,
-    read_events,
-    read_meta,
-    read_rank_steps,
-    read_steps,
-)
+from keel.monitor.store import RANK_COLUMNS, STEP_COLUMNS, RunStore, read_events, read_meta, read_rank_steps, read_steps
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,14 +50,7 @@ def test_steps_rank_rows_events_and_meta_round_trip(tmp_path):
         # Optional columns may be left out, and numpy scalars and bools are accepted.
         store.write_step(dict(step=2, attempt=0, loss=np.float32(0.5), tokens=np.int64(8), skipped=True))
         store.write_event(
-            "rollback",
-            "loss spike",
-            severity="warning",
-            step=2,
-            attempt=0,
-            rank=0,
-            data={"to_step": 1, "z": np.float32(7.5)},
-            time=123.0,
+            "rollback", "loss spike", severity="warning", step=2, attempt=0, rank=0, data={"to_step": 1, "z": np.float32(7.5)}, time=123.0
         )
         store.write_event("checkpoint_saved", "saved step 1")
         store.set_meta("run_id", "run-1")
