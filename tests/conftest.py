@@ -32,6 +32,13 @@ def keel(*args: str, cwd: Path | None = None, timeout: float = 300) -> subproces
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+def plain_torchrun(workers: int, *args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The worker module started by torchrun directly, without `keel train` (as a cluster script does)."""
+    module = ["-m", "keel.trainer.train", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}", *module]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
 def train(run_dir: Path, *args: str, timeout: float = 300):
     """Runs `keel train --run-dir run_dir ARGS`; returns the effective step metrics."""
     proc = keel("train", "--run-dir", str(run_dir), *args, timeout=timeout)

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import io
-import os
-import subprocess
-import sys
 
 import pandas as pd
-from conftest import REPO, keel
+from conftest import REPO, keel, plain_torchrun
 
 from keel.monitor.run_dir import list_checkpoints
 from keel.monitor.store import read_events, read_steps
@@ -46,25 +43,7 @@ def test_keel_metrics_table_and_csv(reference_dir, reference_run):
 
 def test_train_module_under_plain_torchrun(tmp_path):
     """`torchrun -m keel.trainer.train` works without `keel train`: rank 0 names the run for all."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "-m",
-            "keel.trainer.train",
-            "--config=tiny",
-            "--dp=2",
-            "--steps=3",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
+    proc = plain_torchrun(2, "--config=tiny", "--dp=2", "--steps=3", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 1

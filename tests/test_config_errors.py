@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
 import pytest
-from conftest import keel
+from conftest import keel, plain_torchrun
 
 from keel.trainer.config import ConfigError, load_config, write_resolved_config
 
@@ -92,25 +90,7 @@ def test_unwritable_run_dir(tmp_path):
 def test_process_count_mismatch_under_plain_torchrun(tmp_path):
     """Started by torchrun directly, the workers are the first to see the config: they stop with the
     same one-line error (printed once, by rank 0) before joining a process group."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "-m",
-            "keel.trainer.train",
-            "--config=tiny",
-            "--dp=4",
-            "--run-dir",
-            str(tmp_path / "run"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
+    proc = plain_torchrun(2, "--config=tiny", "--dp=4", f"--run-dir={tmp_path / 'run'}", timeout=120)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "keel train: error" in line]
     assert len(errors) == 1, proc.stderr
