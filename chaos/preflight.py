@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from keel.trainer.config import ConfigError, JobConfig, check_run_dir
 from keel.trainer.data import open_tokens
 from keel.trainer.launch import parse_train_args, resolve_run_dir, torchrun_command, worker_env
@@ -126,7 +126,7 @@ def main(argv: list[str]) -> int:
     try:
         checks = read_results(results_dir / RESULTS_FILE, subprocess.call(cmd, env=worker_env(cfg, train_opts, Path(cfg.run.run_dir))))
     except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the workers
-        return 130
+        return EXIT_INTERRUPTED
     finally:
         shutil.rmtree(results_dir, ignore_errors=True)
     print(format_table(checks))

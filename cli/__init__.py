@@ -14,6 +14,7 @@ commands:
   drill          inject each fault into a short copy of a job and report the recovery (keel drill --help)
   inject         ask a running job to inject a fault at its next step (keel inject RUN_DIR FAULT)
   preflight      check ranks, links, checkpoint disk, memory and an overfit before a long job (keel preflight --help)
+  dashboard      watch runs live in the browser (keel dashboard [RUNS_DIR ...] [--host] [--port])
   prepare-data   make a uint16 token file from text files (keel prepare-data OUT.bin FILES...)
 """
 
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         from keel.chaos.inject import main as run
     elif command == "preflight":
         from keel.chaos.preflight import main as run
+    elif command == "dashboard":
+        from keel.dashboard.launch import main as run
     elif command == "prepare-data":
         from keel.trainer.data import prepare_data_main as run
     else:

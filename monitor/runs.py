@@ -12,6 +12,7 @@ A run's status comes from its own record:
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from collections.abc import Iterable
@@ -32,14 +33,19 @@ SUMMARY_COLUMNS = (
 
 
 def find_runs(folders: Iterable[str | Path]) -> list[Path]:
-    """Run directories (those holding a run store) at or below each folder, sorted; the runs a drill made
-    stay inside its report and the checkpoint folders are not searched."""
-    found: set[Path] = set()
+    """Run directories (those holding a run store) at or below each folder, sorted. Symlinked folders are
+    followed (once each); the runs a drill made stay inside its report, and checkpoints are not searched."""
+    found, seen = set(), set()
     for folder in map(Path, folders):
-        for store in folder.rglob(STORE_FILE):
-            inside = store.parent.relative_to(folder).parts
-            if DRILL_DIR not in inside and CHECKPOINT_DIR not in inside:
-                found.add(store.parent)
+        for root, dirs, files in os.walk(folder, followlinks=True):
+            real = os.path.realpath(root)
+            if real in seen:  # a link back up the tree
+                dirs.clear()
+                continue
+            seen.add(real)
+            if STORE_FILE in files:
+                found.add(Path(root))
+            dirs[:] = [d for d in dirs if d not in (DRILL_DIR, CHECKPOINT_DIR)]
     return sorted(found)
 
 

@@ -90,7 +90,7 @@ def test_wheel_holds_the_keel_namespace_and_package_data(installed_wheel):
         "keel/trainer/train.py",
         "keel/monitor/store.py",
         "keel/chaos/drill.py",
-        "keel/dashboard/__init__.py",
+        "keel/dashboard/app.py",
         "keel/cli/__init__.py",
         "keel/trainer/presets/small.toml",
         "keel/monitor/alerting/keel-rules.yml",

@@ -75,3 +75,7 @@ def test_runs_found_below_folders_but_not_inside_drills_or_checkpoints(tmp_path)
         (tmp_path / name / "run.sqlite").write_bytes(b"")
     assert find_runs([tmp_path]) == [tmp_path / "a", tmp_path / "nested" / "b"]
     assert find_runs([tmp_path / "nested" / "b"]) == [tmp_path / "nested" / "b"]
+    (tmp_path / "linked").symlink_to(tmp_path / "nested", target_is_directory=True)  # followed, once
+    (tmp_path / "nested" / "loop").symlink_to(tmp_path, target_is_directory=True)
+    runs = find_runs([tmp_path])  # b is reached through nested/ and linked/: listed once, and the loop ends
+    assert len(runs) == 2 and runs[0] == tmp_path / "a" and runs[1].resolve() == (tmp_path / "nested" / "b").resolve()

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_HANG, EXIT_OK, EXIT_OOM
+from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM
 from keel.monitor.redact import REDACTED
 from keel.monitor.run_dir import CONFIG_FILE, DUMP_DIR
 from keel.trainer.config import ConfigError, JobConfig, check_run_dir, load_config, validate
@@ -175,7 +175,7 @@ def main(argv: list[str]) -> int:
     try:
         code = subprocess.call(cmd, env=worker_env(cfg, opts, run_dir))
     except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the workers
-        return 130
+        return EXIT_INTERRUPTED
     return exit_code_of_run(run_dir, code)
 
 

@@ -1,0 +1,15 @@
+"""The Streamlit app behind `keel dashboard`: one page per view, each with its own URL.
+
+Started by `keel dashboard RUNS_DIR...` (keel.dashboard.launch), which hands the folders over in the
+environment (KEEL_DASHBOARD_RUNS, os.pathsep-separated) because a Streamlit script has no arguments of
+its own under `AppTest`. Reads runs through keel.monitor only.
+"""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from keel.dashboard.runs_page import render_runs
+
+st.set_page_config(page_title="Keel", layout="wide")
+st.navigation([st.Page(render_runs, title="Runs", default=True)]).run()

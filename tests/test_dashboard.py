@@ -1,0 +1,80 @@
+"""`keel dashboard`: the Streamlit app driven by AppTest on real run directories, and the server it starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import keel
+from streamlit.testing.v1 import AppTest
+
+from keel.dashboard.runs_page import RUNS_ENV
+
+APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
+
+
+@pytest.fixture
+def runs_folder(reference_dir, tmp_path) -> Path:
+    """A folder as a user has one: a real finished run, and a run directory whose store is damaged."""
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    (folder / "tiny").symlink_to(reference_dir, target_is_directory=True)
+    (folder / "broken").mkdir()
+    (folder / "broken" / "run.sqlite").write_bytes(b"half-written" * 50)
+    return folder
+
+
+def test_runs_page_lists_the_runs_and_names_the_broken_one(runs_folder, monkeypatch):
+    monkeypatch.setenv(RUNS_ENV, str(runs_folder))
+    app = AppTest.from_file(str(APP), default_timeout=60).run()
+    assert not app.exception, app.exception
+    table = app.dataframe[0].value.set_index("run")
+    [run_id] = [r for r in table.index if r != "broken"]
+    assert table.loc[run_id, "status"] == "finished" and table.loc[run_id, "step"] == "20 / 20"
+    assert table.loc[run_id, "layout"] == "pp1 dp1 tp1" and table.loc[run_id, "loss"] > 0
+    assert table.loc["broken", "status"] == "unreadable"
+    assert any("broken" in w.value and "cannot read its run store" in w.value for w in app.warning)
+
+
+def test_runs_page_with_no_runs_says_how_to_start_one(tmp_path, monkeypatch):
+    monkeypatch.setenv(RUNS_ENV, str(tmp_path))
+    app = AppTest.from_file(str(APP), default_timeout=60).run()
+    assert not app.exception and "No runs found yet" in app.info[0].value
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_keel_dashboard_serves_on_loopback(runs_folder):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "keel.cli", "dashboard", str(runs_folder), f"--port={port}"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True) as server:
+        try:
+            health, deadline = None, time.time() + 90
+            while health is None and time.time() < deadline and server.poll() is None:
+                try:
+                    health = urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2).read()
+                except OSError:
+                    time.sleep(0.5)
+            assert health == b"ok", "the dashboard did not answer on 127.0.0.1"
+            page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).read().decode()
+            assert "<html" in page.lower()
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            output = server.communicate(timeout=30)[0]
+    assert f"http://127.0.0.1:{port}/" in output
+
+
+def test_bad_folder_is_one_line_error(tmp_path):
+    proc = keel("dashboard", str(tmp_path / "nowhere"))
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "is not a folder" in proc.stderr
