@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import streamlit as st
 
+from keel.dashboard.run_page import render_run
 from keel.dashboard.runs_page import render_runs
 
 st.set_page_config(page_title="Keel", layout="wide")
-st.navigation([st.Page(render_runs, title="Runs", default=True)]).run()
+pages = [st.Page(render_runs, title="Runs", default=True), st.Page(render_run, title="Run", url_path="run")]
+st.navigation(pages).run()

@@ -11,11 +11,15 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pandas as pd
+import pyarrow as pa
 import pytest
-from conftest import keel
+from conftest import keel, train
 from streamlit.testing.v1 import AppTest
 
 from keel.dashboard.runs_page import RUNS_ENV
+from keel.dashboard.series import MARKER_KINDS, METRICS
+from keel.monitor.store import read_events, read_steps
 
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
 
@@ -47,6 +51,54 @@ def test_runs_page_with_no_runs_says_how_to_start_one(tmp_path, monkeypatch):
     monkeypatch.setenv(RUNS_ENV, str(tmp_path))
     app = AppTest.from_file(str(APP), default_timeout=60).run()
     assert not app.exception and "No runs found yet" in app.info[0].value
+
+
+@pytest.fixture(scope="session")
+def spike_run(tmp_path_factory) -> Path:
+    """A real run with checkpoints, a loss spike from bad data, the rollback and the data skip."""
+    run_dir = tmp_path_factory.mktemp("dashboard") / "spike"
+    train(run_dir, "--config=tiny", "--pp=1", "--dp=1", "--tp=1", "--steps=60", "--checkpoint.interval_steps=10",
+          "--spike.warmup_steps=12", "--spike.min_baseline=8", "--fault=spike@step=30,steps=3")  # fmt: skip
+    assert (read_events(run_dir).kind == "rollback").sum() == 1
+    return run_dir
+
+
+def _run_page(run_folder: Path, run: str, monkeypatch) -> AppTest:
+    monkeypatch.setenv(RUNS_ENV, str(run_folder))
+    app = AppTest.from_string("from keel.dashboard.run_page import render_run\nrender_run()", default_timeout=60)
+    app.query_params["run"] = run
+    return app.run()
+
+
+def _chart_frames(chart) -> list[pd.DataFrame]:
+    return [pa.ipc.open_stream(d.data.data).read_pandas() for d in chart.proto.datasets]
+
+
+def test_run_page_marks_every_event_and_draws_the_rolled_back_steps_apart(spike_run, monkeypatch):
+    app = _run_page(spike_run.parent, "spike", monkeypatch)
+    assert not app.exception and not app.error, (app.exception, app.error)
+    charts = app.get("vega_lite_chart")
+    assert len(charts) == len(METRICS)
+    markers, lines = sorted(_chart_frames(charts[0]), key=lambda f: "segment" in f.columns)  # the loss chart
+    events = read_events(spike_run)
+    marked = events[events.kind.isin(MARKER_KINDS)]
+    assert sorted(markers.step) == sorted(marked.step.astype(int))
+    assert {"confirmed spike", "rollback", "data skip", "checkpoint saved", "injected fault"} <= set(markers.kind)
+    # The abandoned segment is exactly what the rollback threw away: the steps after its checkpoint.
+    rollback = events[events.kind == "rollback"].iloc[0].data
+    abandoned = lines[lines.segment != "effective"]
+    assert set(abandoned.segment) == {"attempt 0"}
+    assert sorted(abandoned.step) == list(range(rollback["to_step"] + 1, rollback["from_step"] + 1))
+    kept = read_steps(spike_run, effective=True)
+    effective = lines[lines.segment == "effective"].sort_values("step")
+    assert effective.step.tolist() == kept.step.tolist() and effective.value.tolist() == kept.loss.tolist()
+
+
+def test_run_page_refuses_a_crafted_run_name(spike_run, monkeypatch):
+    app = _run_page(spike_run.parent, "../../etc", monkeypatch)
+    assert not app.exception
+    assert "No run named '../../etc'" in app.error[0].value
+    assert app.selectbox[0].value == "spike"  # the page shows a run that was found, nothing else
 
 
 def _free_port() -> int:
