@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import streamlit as st
 
+from keel.dashboard.events_page import render_events
 from keel.dashboard.run_page import render_run
 from keel.dashboard.runs_page import render_runs
 
 st.set_page_config(page_title="Keel", layout="wide")
-pages = [st.Page(render_runs, title="Runs", default=True), st.Page(render_run, title="Run", url_path="run")]
+pages = [
+    st.Page(render_runs, title="Runs", default=True),
+    st.Page(render_run, title="Run", url_path="run"),
+    st.Page(render_events, title="Events", url_path="events"),
+]
 st.navigation(pages).run()

@@ -18,10 +18,18 @@ from keel.monitor.store import read_events, read_steps
 
 def render_run() -> None:
     st.title("Run")
+    run_dir = choose_run()
+    if run_dir is not None:
+        _live_charts(run_dir)
+
+
+def choose_run() -> Path | None:
+    """The run the page shows: `?run=<name>` if that names a run found, else the first; the choice is
+    written back to the URL. None (with a message) when there is no run."""
     runs = {p.name: p for p in find_runs(run_folders())}
     if not runs:
         st.info("No runs found yet.")
-        return
+        return None
     # A name from the URL is only ever looked up among the runs found, never joined to a path.
     wanted = st.query_params.get("run")
     if wanted is not None and wanted not in runs:
@@ -29,7 +37,7 @@ def render_run() -> None:
     names = sorted(runs)
     name = st.selectbox("run", names, index=names.index(wanted) if wanted in runs else 0)
     st.query_params["run"] = name
-    _live_charts(runs[name])
+    return runs[name]
 
 
 @st.fragment(run_every=REFRESH_S)

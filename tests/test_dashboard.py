@@ -130,3 +130,23 @@ def test_keel_dashboard_serves_on_loopback(runs_folder):
 def test_bad_folder_is_one_line_error(tmp_path):
     proc = keel("dashboard", str(tmp_path / "nowhere"))
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "is not a folder" in proc.stderr
+
+
+def _events_page(run_folder: Path, params: dict[str, list[str]], monkeypatch) -> AppTest:
+    monkeypatch.setenv(RUNS_ENV, str(run_folder))
+    app = AppTest.from_string("from keel.dashboard.events_page import render_events\nrender_events()", default_timeout=60)
+    app.query_params.update(params)
+    return app.run()
+
+
+def test_events_page_lists_every_event_and_filters_from_the_url(spike_run, monkeypatch):
+    events = read_events(spike_run)
+    app = _events_page(spike_run.parent, {"run": ["spike"]}, monkeypatch)
+    assert not app.exception and not app.error, (app.exception, app.error)
+    table = app.dataframe[0].value
+    assert len(table) == len(events) and list(table.kind) == list(events.kind[::-1])  # newest first
+    critical = _events_page(spike_run.parent, {"run": ["spike"], "severity": ["critical"], "kind": ["alert", "rollback"]}, monkeypatch)
+    shown = critical.dataframe[0].value
+    expected = events[(events.severity == "critical") & events.kind.isin(["alert", "rollback"])]
+    assert len(shown) == len(expected) > 0 and set(shown.kind) == {"alert", "rollback"}
+    assert critical.multiselect[1].value == ["critical"]  # the filter the URL asked for is the one shown
