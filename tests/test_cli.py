@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 
 import pandas as pd
 from conftest import REPO, keel, plain_torchrun
@@ -68,3 +71,13 @@ def test_ci_runs_exactly_the_readme_test_command():
     install_and_train, install_and_test = block
     assert install_and_train.endswith("keel train")
     assert install_and_test in (REPO / ".ci" / "run").read_text().splitlines()
+
+
+def test_the_main_layout_prints_no_warnings(tmp_path):
+    """What a user sees of `keel train` at pp2·dp2·tp2: progress and the goodput line, no library warnings
+    (torch's FSDP2 warned on every rank about a view that Keel never changes in place)."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONWARNINGS"}
+    cmd = [sys.executable, "-m", "keel.cli", "train", "--config=tiny", "--pp=2", "--dp=2", "--tp=2", "--steps=3", f"--run-dir={tmp_path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Warning" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]

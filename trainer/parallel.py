@@ -6,6 +6,7 @@ file only decides how the Llama blocks map onto it.
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -88,6 +89,12 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, mode: DataParallelMode, 
     """ZeRO-3 (reshard after forward) or ZeRO-2 (keep parameters gathered until backward), one FSDP
     unit per block so the all-gather of block i+1 overlaps the compute of block i."""
     reshard = mode == "zero3"
+    # With tp > 1 the head's logits come back from TP's all-gather as a view, and FSDP2 warns on every
+    # rank that an in-place op on a view would skip its pre-backward hook. Keel never changes a stage's
+    # output in place (the loss and the pipeline send take it out of place; the tp parity tests show the
+    # gradients equal a single process's), so the warning is only noise to the user. Filtered by its
+    # text, from FSDP's own module, nothing else.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", module=r"torch\.distributed\.fsdp")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
