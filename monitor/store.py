@@ -12,6 +12,7 @@ All attempts are kept; `read_steps(run_dir, effective=True)` gives the trajector
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time as _time
@@ -186,7 +187,13 @@ def _connect_read_only(run_dir: str | Path) -> sqlite3.Connection:
     if not path.is_file():
         raise FileNotFoundError(f"no run store at {path}: pass a run directory written by `keel train`")
     # mode=ro: a reader can neither create a store nor write to the one a trainer is writing.
-    return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=_BUSY_TIMEOUT_S)
+    mode = "mode=ro"
+    if not os.access(path.parent, os.W_OK) and not path.with_name(f"{STORE_FILE}-shm").exists():
+        # A folder this reader cannot write (another user's run, a read-only mount) and no writer's WAL
+        # index in it: SQLite cannot create that index, so it would refuse a WAL store. With no index no
+        # writer is active, and the file can be read as immutable.
+        mode = "immutable=1"
+    return sqlite3.connect(f"{path.resolve().as_uri()}?{mode}", uri=True, timeout=_BUSY_TIMEOUT_S)
 
 
 def _query(run_dir: str | Path, sql: str) -> pd.DataFrame:

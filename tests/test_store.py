@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -177,6 +179,54 @@ def test_readers_name_a_missing_store_and_create_nothing(tmp_path):
             read(missing)
         assert str(missing / "run.sqlite") in str(excinfo.value)
     assert not missing.exists()
+
+
+def _as_reader_without_write_access(read):
+    """`read()` in a child process that cannot write the folders it reads: as user nobody when the tests
+    run as root (root writes anywhere), else as ourselves. Returns what it returned, or the error's text."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child only calls what is already imported, so it needs no access to the venv
+        os.close(read_end)
+        try:
+            if os.getuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            result = repr(read())
+        except Exception as e:
+            result = f"{type(e).__name__}: {e}"
+        os.write(write_end, result.encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        result = f.read()
+    os.waitpid(pid, 0)
+    return result
+
+
+def test_a_store_in_a_folder_the_reader_cannot_write_is_readable(tmp_path):
+    # A finished run (no WAL files left) and a run whose writer is still open, both in folders
+    # readable by everyone and writable by nobody but their owner.
+    shared = Path(tempfile.mkdtemp(prefix="keel-ro-"))
+    try:
+        finished, live = shared / "finished", shared / "live"
+        with RunStore(finished) as store:
+            store.write_step({"step": 1, "attempt": 0, "loss": 2.5})
+        writer = RunStore(live)
+        writer.write_step({"step": 1, "attempt": 0, "loss": 3.5})
+        for folder in (shared, finished, live):
+            folder.chmod(0o755 if folder == shared else 0o555)
+        assert sorted(os.listdir(finished)) == ["run.sqlite"]
+
+        def last_losses():
+            return [float(read_steps(d).loss.iloc[-1]) for d in (finished, live)]
+
+        assert _as_reader_without_write_access(last_losses) == "[2.5, 3.5]"
+        writer.close()
+    finally:
+        for folder in (shared / "finished", shared / "live"):
+            folder.chmod(0o755)
+        shutil.rmtree(shared)
 
 
 @pytest.fixture
