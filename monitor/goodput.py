@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from keel.monitor.store import read_events, read_steps
+from keel.monitor.store import abandoned_mask, read_events, read_steps
 
 CAUSES = ("recomputed", "skipped", "restart", "hang", "checkpoint", "other")
 
@@ -53,20 +53,6 @@ def _column(df: pd.DataFrame, name: str, default: float) -> pd.Series:
     if name not in df:
         return pd.Series(default, index=df.index, dtype="float64")
     return pd.to_numeric(df[name], errors="coerce").astype("float64").fillna(default)
-
-
-def _abandoned(steps: pd.DataFrame) -> pd.Series:
-    """Rows a later attempt abandoned: the same rule as the store's effective trajectory (see store.py).
-
-    A row of attempt a is abandoned when some later attempt started at or before its step, which also
-    covers rows past the point the later attempt has reached so far.
-    """
-    if "step" not in steps or "attempt" not in steps or steps.empty:
-        return pd.Series(False, index=steps.index)
-    first_step = steps.groupby("attempt")["step"].min().sort_index()
-    # Minimum first step over the attempts after each one; NaN for the last attempt.
-    next_start = first_step[::-1].cummin()[::-1].shift(-1)
-    return steps["step"] >= steps["attempt"].map(next_start)
 
 
 def _data(value: Any) -> dict:
@@ -124,7 +110,7 @@ def compute_goodput(steps: pd.DataFrame, events: pd.DataFrame, end_time: float |
     wall = max(end - start, 0.0) if math.isfinite(start) and math.isfinite(end) else 0.0
 
     step_time = _wall_bounded(steps, _column(steps, "step_time_s", 0.0))
-    abandoned = _abandoned(steps)
+    abandoned = abandoned_mask(steps)
     skipped = _column(steps, "skipped", 0.0) == 1
     productive = float(step_time[~abandoned & ~skipped].sum())
     lost = {

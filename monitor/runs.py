@@ -15,12 +15,13 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from keel.monitor.goodput import compute_goodput
 from keel.monitor.run_dir import CHECKPOINT_DIR, DRILL_DIR, STORE_FILE
 from keel.monitor.store import read_events, read_meta, read_steps
 
@@ -32,10 +33,10 @@ SUMMARY_COLUMNS = (
 )  # fmt: skip
 
 
-def find_runs(folders: Iterable[str | Path]) -> list[Path]:
-    """Run directories (those holding a run store) at or below each folder, sorted. Symlinked folders are
-    followed (once each); the runs a drill made stay inside its report, and checkpoints are not searched."""
-    found, seen = set(), set()
+def _folders_below(folders: Iterable[str | Path]) -> Iterator[tuple[Path, list[str], list[str]]]:
+    """(folder, its subfolder names, its file names) at or below each folder. Symlinked folders are
+    followed, once each; the insides of drills and checkpoints are not searched."""
+    seen = set()
     for folder in map(Path, folders):
         for root, dirs, files in os.walk(folder, followlinks=True):
             real = os.path.realpath(root)
@@ -43,9 +44,23 @@ def find_runs(folders: Iterable[str | Path]) -> list[Path]:
                 dirs.clear()
                 continue
             seen.add(real)
-            if STORE_FILE in files:
-                found.add(Path(root))
+            yield Path(root), list(dirs), files
             dirs[:] = [d for d in dirs if d not in (DRILL_DIR, CHECKPOINT_DIR)]
+
+
+def find_runs(folders: Iterable[str | Path]) -> list[Path]:
+    """Run directories (those holding a run store) at or below each folder, sorted. The runs a drill made
+    stay inside its report (see find_drills)."""
+    return sorted({root for root, _, files in _folders_below(folders) if STORE_FILE in files})
+
+
+def find_drills(folders: Iterable[str | Path]) -> list[Path]:
+    """The folders `keel drill` made (RUN_DIR/drills/drill-<time>/) at or below each folder, sorted;
+    one still running has no report.json yet."""
+    found = set()
+    for root, dirs, _ in _folders_below(folders):
+        if DRILL_DIR in dirs:
+            found.update(p for p in (root / DRILL_DIR).glob("drill-*") if p.is_dir())
     return sorted(found)
 
 
@@ -63,7 +78,8 @@ def summarize_run(run_dir: str | Path, now: float | None = None) -> dict[str, An
         "run_id": meta.get("run_id", run_dir.name),
         "layout": f"pp{parallel['pp']} dp{parallel['dp']} tp{parallel['tp']}" if parallel else None,
         "total_steps": config.get("training", {}).get("steps"),
-        "goodput": (meta.get("goodput") or {}).get("goodput"),
+        # The run's own figure once it ended; until then the same computation on what it wrote so far.
+        "goodput": (meta.get("goodput") or {}).get("goodput") or compute_goodput(read_steps(run_dir), events).goodput,
         "rollbacks": int((events.kind == "rollback").sum()),
         "restarts": int((events.kind == "restart").sum()),
         "alerts": int((events.kind == "alert").sum()),

@@ -196,15 +196,15 @@ def _connect_read_only(run_dir: str | Path) -> sqlite3.Connection:
     return sqlite3.connect(f"{path.resolve().as_uri()}?{mode}", uri=True, timeout=_BUSY_TIMEOUT_S)
 
 
-def _query(run_dir: str | Path, sql: str) -> pd.DataFrame:
+def _query(run_dir: str | Path, sql: str, params: tuple | dict = ()) -> pd.DataFrame:
     # Plain sqlite3 rather than pd.read_sql_query, so that errors stay sqlite3.Error for callers.
     with closing(_connect_read_only(run_dir)) as conn:
-        cursor = conn.execute(sql)
+        cursor = conn.execute(sql, params)
         return pd.DataFrame(cursor.fetchall(), columns=[d[0] for d in cursor.description])
 
 
-def _read_table(run_dir: str | Path, sql: str, types: dict[str, type], key: tuple[str, ...]) -> pd.DataFrame:
-    df = _query(run_dir, sql)
+def _read_table(run_dir: str | Path, sql: str, types: dict[str, type], key: tuple[str, ...], params: tuple = ()) -> pd.DataFrame:
+    df = _query(run_dir, sql, params)
     # Fixed dtypes, also for an empty table: key columns are never NULL, other integers may be (pandas Int64).
     # SQLite stores a NaN as NULL, so a non-finite float reads back as NaN either way.
     dtypes = {c: "int64" if c in key else "Int64" if t is int else "float64" for c, t in types.items()}
@@ -219,25 +219,78 @@ WITH starts AS (SELECT attempt, MIN(step) AS first_step FROM steps GROUP BY atte
      cutoffs AS (SELECT attempt, MIN(first_step) OVER (ORDER BY attempt DESC
                      ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS next_start FROM starts)
 SELECT steps.* FROM steps JOIN cutoffs USING (attempt)
-WHERE next_start IS NULL OR step < next_start
+WHERE (next_start IS NULL OR step < next_start) AND step BETWEEN ? AND ?
 ORDER BY step, attempt
 """
+_ALL_STEPS = "SELECT * FROM steps WHERE step BETWEEN ? AND ? ORDER BY step, attempt"
+_EVERY_STEP = (-(2**63), 2**63 - 1)
 
 
-def read_steps(run_dir: str | Path, *, effective: bool = False) -> pd.DataFrame:
-    """Step metrics ordered by (step, attempt), one column per STEP_COLUMNS.
+def read_steps(run_dir: str | Path, *, effective: bool = False, steps: tuple[int, int] = _EVERY_STEP) -> pd.DataFrame:
+    """Step metrics ordered by (step, attempt), one column per STEP_COLUMNS; only the steps in the
+    inclusive range `steps` when given.
 
     effective=True keeps the trajectory that counts: the last attempt of each step, without the rows
     an attempt left behind when a later one rolled back or restarted before them.
     """
-    sql = _EFFECTIVE_STEPS if effective else "SELECT * FROM steps ORDER BY step, attempt"
-    return _read_table(run_dir, sql, _STEP_TYPES, _STEP_KEY)
+    sql = _EFFECTIVE_STEPS if effective else _ALL_STEPS
+    return _read_table(run_dir, sql, _STEP_TYPES, _STEP_KEY, (int(steps[0]), int(steps[1])))
+
+
+def read_attempt_starts(run_dir: str | Path) -> pd.Series:
+    """Each attempt's first step over the whole run (index: attempt), for `abandoned_mask` on a step range."""
+    df = _query(run_dir, "SELECT attempt, MIN(step) AS first_step FROM steps GROUP BY attempt ORDER BY attempt")
+    return df.set_index("attempt").first_step.astype("int64")
+
+
+def abandoned_mask(steps: pd.DataFrame, attempt_starts: pd.Series | None = None) -> pd.Series:
+    """True for the step rows a later attempt abandoned: the rule of read_steps(effective=True), in pandas.
+
+    A row of attempt a is abandoned when some later attempt started at or before its step, which also
+    covers rows past the point the later attempt has reached so far. `attempt_starts` (from
+    read_attempt_starts) is needed when `steps` holds only part of the run, such as a step range.
+    """
+    if "step" not in steps or "attempt" not in steps or steps.empty:
+        return pd.Series(False, index=steps.index)
+    first_step = (steps.groupby("attempt")["step"].min() if attempt_starts is None else attempt_starts).sort_index()
+    # Minimum first step over the attempts after each one; NaN for the last attempt.
+    next_start = first_step[::-1].cummin()[::-1].shift(-1)
+    return steps["step"] >= steps["attempt"].map(next_start)
 
 
 def read_rank_steps(run_dir: str | Path) -> pd.DataFrame:
     """Per-rank step metrics ordered by (step, attempt, rank), one column per RANK_COLUMNS."""
     sql = "SELECT * FROM rank_steps ORDER BY step, attempt, rank"
     return _read_table(run_dir, sql, _RANK_TYPES, _RANK_KEY)
+
+
+def step_bounds(run_dir: str | Path) -> tuple[int, int] | None:
+    """The first and last step recorded (any attempt), or None before the first step."""
+    first, last = _query(run_dir, "SELECT MIN(step), MAX(step) FROM steps").iloc[0]
+    return None if pd.isna(first) else (int(first), int(last))
+
+
+# Bucket b of n over steps lo..hi holds the steps s with (s - lo) * n // (hi - lo + 1) == b.
+_RANK_BINS = """
+SELECT rank, MIN(step) AS first_step, MAX(step) AS last_step, AVG(step_time_s) AS step_time_s,
+       AVG(comm_time_s) AS comm_time_s, AVG(step_time_s - comm_time_s) AS busy_time_s,
+       MAX(mem_peak_bytes) AS mem_peak_bytes, COUNT(*) AS rows
+FROM rank_steps WHERE step BETWEEN :lo AND :hi
+GROUP BY rank, (step - :lo) * :n / (:hi - :lo + 1)
+ORDER BY rank, first_step
+"""
+
+
+def read_rank_bins(run_dir: str | Path, bins: int, steps: tuple[int, int]) -> pd.DataFrame:
+    """Per-rank step metrics over `bins` equal ranges of the inclusive step range `steps` (a heatmap's
+    columns), summed up in SQLite so that a long run is never loaded row by row: per rank and range the
+    first and last step, the mean step, communication and busy (step minus communication) time, the
+    peak memory, and the number of rows (all attempts)."""
+    if bins < 1:
+        raise ValueError(f"bins={bins}: must be at least 1")
+    df = _query(run_dir, _RANK_BINS, {"lo": int(steps[0]), "hi": int(steps[1]), "n": bins})
+    dtypes = {"rank": "int64", "first_step": "int64", "last_step": "int64", "rows": "int64", "mem_peak_bytes": "Int64"}
+    return df.astype(dtypes | {c: "float64" for c in ("step_time_s", "comm_time_s", "busy_time_s")})
 
 
 def read_events(run_dir: str | Path) -> pd.DataFrame:

@@ -79,3 +79,10 @@ def test_runs_found_below_folders_but_not_inside_drills_or_checkpoints(tmp_path)
     (tmp_path / "nested" / "loop").symlink_to(tmp_path, target_is_directory=True)
     runs = find_runs([tmp_path])  # b is reached through nested/ and linked/: listed once, and the loop ends
     assert len(runs) == 2 and runs[0] == tmp_path / "a" and runs[1].resolve() == (tmp_path / "nested" / "b").resolve()
+
+
+def test_a_running_run_has_its_goodput_so_far(tmp_path):
+    write_run(tmp_path / "live", 30, step_time=2.0)  # no goodput in its meta until it ends
+    row = summarize_run(tmp_path / "live")
+    # 30 steps of 2 s since its first step's start: all of it productive but the time before step 1
+    assert 0.9 < row["goodput"] <= 1.0

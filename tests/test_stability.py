@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 from conftest import keel, train
 
+from keel.monitor.checkpoints import verify
 from keel.monitor.exits import EXIT_ROLLBACK_CAP
 from keel.monitor.run_dir import list_checkpoints
 from keel.monitor.store import read_events, read_steps
-from keel.trainer.checkpoint import verify
 
 TINY = ["--config", "tiny", "--monitor.prometheus=false"]
 

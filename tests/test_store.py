@@ -16,7 +16,18 @@ import pandas as pd
 import pytest
 
 from keel.monitor import metrics_cli
-from keel.monitor.store import RANK_COLUMNS, STEP_COLUMNS, RunStore, read_events, read_meta, read_rank_steps, read_steps
+from keel.monitor.store import (
+    RANK_COLUMNS,
+    STEP_COLUMNS,
+    RunStore,
+    abandoned_mask,
+    read_attempt_starts,
+    read_events,
+    read_meta,
+    read_rank_bins,
+    read_rank_steps,
+    read_steps,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -265,3 +276,26 @@ def test_metrics_on_a_missing_run_is_a_one_line_error(tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("keel metrics: error: ") and captured.err.count("\n") == 1
+
+
+def test_steps_read_by_range_and_rank_bins_sum_up_every_rank(tmp_path):
+    with RunStore(tmp_path) as store:
+        for step in range(1, 101):
+            ranks = [{"step": step, "attempt": 0, "rank": r, "step_time_s": 1.0 + r, "comm_time_s": 0.25 * r,
+                      "mem_peak_bytes": 1000 * r + step} for r in range(4)]  # fmt: skip
+            store.write_step(full_step(step, attempt=0), ranks)
+        for step in range(51, 61):  # a rollback reran 51..60
+            store.write_step(full_step(step, attempt=1))
+    assert read_steps(tmp_path, steps=(40, 55)).step.tolist() == [*range(40, 51), *[s for s in range(51, 56) for _ in (0, 1)]]
+    kept = read_steps(tmp_path, effective=True, steps=(58, 62))  # attempt 0's steps 61..100 were abandoned
+    assert kept.step.tolist() == [58, 59, 60] and kept.attempt.tolist() == [1, 1, 1]
+    for lo, hi in ((1, 100), (40, 55), (58, 62), (70, 90)):  # the pandas rule agrees with the SQL on any range
+        part = read_steps(tmp_path, steps=(lo, hi))
+        masked = part[~abandoned_mask(part, read_attempt_starts(tmp_path))].reset_index(drop=True)
+        pd.testing.assert_frame_equal(masked, read_steps(tmp_path, effective=True, steps=(lo, hi)))
+    bins = read_rank_bins(tmp_path, 10, (1, 100))
+    assert sorted(set(bins["rank"])) == [0, 1, 2, 3] and len(bins) == 40
+    first = bins[bins["rank"] == 3].iloc[0]
+    assert (first.first_step, first.last_step, first.rows) == (1, 10, 10)
+    assert first.step_time_s == 4.0 and first.comm_time_s == 0.75 and first.busy_time_s == 3.25 and first.mem_peak_bytes == 3010
+    assert read_rank_bins(tmp_path, 3, (91, 100)).groupby("rank").rows.sum().tolist() == [10] * 4

@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from keel.monitor.checkpoints import sha256_file, verify
 from keel.monitor.run_dir import CHECKPOINT_DIR, MANIFEST, checkpoint_name, list_checkpoints
 from keel.trainer.config import CheckpointConfig, JobConfig
 
@@ -42,29 +43,6 @@ log = logging.getLogger("keel.checkpoint")
 # nested form keys groups by position, and pipeline stages have different groups under the same
 # position: DCP would keep one stage's and hand it to every rank.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def verify(path: Path) -> str | None:
-    """None when every file matches the manifest; otherwise what is wrong, in one line."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        return f"{path.name}: unreadable manifest ({e})"
-    for name, expected in manifest["files"].items():
-        file = path / name
-        if not file.is_file():
-            return f"{path.name}: {name} is missing"
-        if _sha256(file) != expected:
-            return f"{path.name}: {name} does not match its sha256 in the manifest"
-    return None
 
 
 def _free_name(path: Path, suffix: str) -> Path:
@@ -254,7 +232,7 @@ class Checkpointer:
             self._finalized.set()
 
     def _seal(self, step: int, tmp: Path, final: Path, train_state: dict) -> None:
-        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         manifest = {"step": step, "time": time.time(), **self.manifest_info, "train_state": train_state, "files": files}
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
