@@ -35,6 +35,7 @@ WIDE = [
     "--model.n_heads=8",
     "--model.n_kv_heads=8",
     "--monitor.prometheus=false",
+    "--monitor.wandb=false",
     "--checkpoint.interval_steps=2",
     "--metrics.log_every=1000",
 ]

@@ -23,7 +23,8 @@ from keel.monitor.store import read_events, read_steps
 
 
 def keel_train(run_dir: Path, *args: str) -> None:
-    cmd = [sys.executable, "-m", "keel.cli", "train", "--run-dir", str(run_dir), "--monitor.prometheus=false", *args]
+    no_sinks = ["--monitor.prometheus=false", "--monitor.wandb=false"]
+    cmd = [sys.executable, "-m", "keel.cli", "train", "--run-dir", str(run_dir), *no_sinks, *args]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 

@@ -14,7 +14,7 @@ commands:
   drill          inject each fault into a short copy of a job and report the recovery (keel drill --help)
   inject         ask a running job to inject a fault at its next step (keel inject RUN_DIR FAULT)
   preflight      check ranks, links, checkpoint disk, memory and an overfit before a long job (keel preflight --help)
-  dashboard      watch runs live in the browser (keel dashboard [RUNS_DIR ...] [--host] [--port])
+  dashboard      watch runs live in the browser (keel dashboard [RUNS_DIR ...] [--host] [--port] [--read-only])
   prepare-data   make a uint16 token file from text files (keel prepare-data OUT.bin FILES...)
 """
 

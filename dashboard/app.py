@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import streamlit as st
 
+from keel.dashboard.compare_page import render_compare
+from keel.dashboard.drills_page import render_drills
 from keel.dashboard.events_page import render_events
 from keel.dashboard.run_page import render_run
 from keel.dashboard.runs_page import render_runs
@@ -18,5 +20,7 @@ pages = [
     st.Page(render_runs, title="Runs", default=True),
     st.Page(render_run, title="Run", url_path="run"),
     st.Page(render_events, title="Events", url_path="events"),
+    st.Page(render_drills, title="Drills", url_path="drills"),
+    st.Page(render_compare, title="Compare", url_path="compare"),
 ]
 st.navigation(pages).run()

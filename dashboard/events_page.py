@@ -40,7 +40,7 @@ def _live_events(run_dir: Path) -> None:
             st.query_params[name] = chosen[name]
     shown = filter_events(table, chosen)
     st.caption(f"{len(shown)} of {len(table)} events; refreshed every {REFRESH_S:g} s.")
-    st.dataframe(shown, hide_index=True)
+    st.dataframe(shown, hide_index=True, height=min(36 * (len(shown) + 1) + 2, 900))  # whole up to ~24 rows, then it scrolls
 
 
 def event_table(events: pd.DataFrame) -> pd.DataFrame:

@@ -1,5 +1,11 @@
-"""The Run page: one run's step metrics against step, refreshed live, with every event marked (hover for
-what happened) and the attempts a rollback or restart abandoned drawn beside the effective trajectory."""
+"""The Run page: one run, live. Every step metric against step with every event marked (hover for what
+happened) and the attempts a rollback or restart abandoned drawn beside the effective trajectory; the
+ranks side by side (step and communication time per rank and step, stragglers picked out, memory);
+goodput and where the rest of the time went; the checkpoints; the resolved config.
+
+The charts show the step range of the slider above them, every step of it when it is narrow enough
+(M4 keeps at most 4 points per pixel column), and the range is kept across refreshes and in the URL.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +17,25 @@ import pandas as pd
 import streamlit as st
 
 from keel.dashboard.runs_page import REFRESH_S, run_folders
-from keel.dashboard.series import METRICS, event_markers, metric_series
+from keel.dashboard.series import MARKER_COLOURS, METRICS, event_markers, metric_series, straggler_marks
+from keel.monitor.checkpoints import checkpoint_table, verify
+from keel.monitor.goodput import compute_goodput
+from keel.monitor.run_dir import CONFIG_FILE, MANIFEST
 from keel.monitor.runs import find_runs
-from keel.monitor.store import read_events, read_steps
+from keel.monitor.store import abandoned_mask, read_attempt_starts, read_events, read_meta, read_rank_bins, read_steps, step_bounds
+
+STEP_AXIS = alt.Axis(format=",d", tickMinStep=1)  # steps are whole numbers: never "1.0"
+HEATMAP_BINS = 120  # step columns of the rank x step heatmaps
+RANGE_KEY = "steps"  # the slider's state key and the URL parameter (?steps=LO-HI)
+_NEWEST_KEY = "newest-step"
 
 
 def render_run() -> None:
     st.title("Run")
     run_dir = choose_run()
     if run_dir is not None:
-        _live_charts(run_dir)
+        _live_run(run_dir)
+        _config(run_dir)
 
 
 def choose_run() -> Path | None:
@@ -40,40 +55,89 @@ def choose_run() -> Path | None:
     return runs[name]
 
 
+def choose_step_range(first: int, last: int) -> tuple[int, int]:
+    """The steps the charts show, from a range slider: all of them until the user narrows it; a range
+    that ends at the newest step keeps ending there as the run grows. A narrowed range is in the URL."""
+    if first >= last:
+        return first, last
+    state = st.session_state
+    if RANGE_KEY in state:
+        lo, hi = state[RANGE_KEY]
+        hi = last if hi == state.get(_NEWEST_KEY) else hi  # following the newest step
+    else:
+        lo, hi = _range_from_url() or (first, last)
+    lo, hi = min(max(lo, first), last), min(max(hi, first), last)
+    state[RANGE_KEY], state[_NEWEST_KEY] = (min(lo, hi), max(lo, hi)), last
+    lo, hi = st.slider("steps", first, last, key=RANGE_KEY)
+    if (lo, hi) == (first, last):
+        st.query_params.pop(RANGE_KEY, None)
+    else:
+        st.query_params[RANGE_KEY] = f"{lo}-{hi}"
+    return lo, hi
+
+
+def _range_from_url() -> tuple[int, int] | None:
+    lo, _, hi = st.query_params.get(RANGE_KEY, "").partition("-")
+    return (int(lo), int(hi)) if lo.isdigit() and hi.isdigit() else None
+
+
 @st.fragment(run_every=REFRESH_S)
-def _live_charts(run_dir: Path) -> None:
+def _live_run(run_dir: Path) -> None:
     try:
-        every, kept, events = read_steps(run_dir), read_steps(run_dir, effective=True), read_events(run_dir)
+        bounds, events = step_bounds(run_dir), read_events(run_dir)
+        if bounds is None:
+            st.info("No step recorded yet.")
+            return
+        steps = choose_step_range(*bounds)
+        # One read of the range; the effective trajectory is the rows no later attempt abandoned.
+        every = read_steps(run_dir, steps=steps)
+        kept = every[~abandoned_mask(every, read_attempt_starts(run_dir))]
+        ranks = read_rank_bins(run_dir, HEATMAP_BINS, steps)
+        goodput = compute_goodput(every if steps == bounds else read_steps(run_dir), events)
     except (sqlite3.Error, FileNotFoundError) as e:
         st.warning(f"{run_dir}: cannot read its run store ({type(e).__name__}: {e}).")
         return
-    if every.empty:
-        st.info("No step recorded yet.")
-        return
-    markers = event_markers(events)
-    st.caption(f"{len(kept)} steps in effect, {len(every) - len(kept)} abandoned by rollbacks or restarts, {len(markers)} events marked.")
+    _metric_charts(every, kept, event_markers(events), steps)
+    _rank_charts(ranks, straggler_marks(events, steps), steps)
+    left, right = st.columns([2, 3])
+    with left:
+        _goodput_chart(goodput)
+    with right:
+        _checkpoints(run_dir, events)
+
+
+def _metric_charts(every: pd.DataFrame, kept: pd.DataFrame, markers: pd.DataFrame, steps: tuple[int, int]) -> None:
+    shown = markers[markers.step.between(*steps)]
+    st.caption(f"Steps {steps[0]:,} to {steps[1]:,}: {len(kept):,} in effect, {len(every) - len(kept):,} abandoned by rollbacks "
+               f"or restarts, {len(shown)} events marked; refreshed every {REFRESH_S:g} s.")  # fmt: skip
     # The loss at full width with the legends; the other metrics below, small, sharing its colours.
-    st.altair_chart(metric_chart(metric_series(every, kept, "loss"), markers, METRICS["loss"], 300, legend=True), key="chart-loss")
+    loss = metric_series(every, kept, "loss", grid=steps)
+    st.altair_chart(metric_chart(loss, shown, METRICS["loss"], steps, 300, legend=True), key="chart-loss")
     columns = st.columns(3)
     for i, (metric, title) in enumerate((m, t) for m, t in METRICS.items() if m != "loss"):
         with columns[i % 3]:
-            st.altair_chart(metric_chart(metric_series(every, kept, metric), markers, title, 180, legend=False), key=f"chart-{metric}")
+            series = metric_series(every, kept, metric, grid=steps)
+            st.altair_chart(metric_chart(series, shown, title, steps, 180, legend=False), key=f"chart-{metric}")
 
 
 ABANDONED_COLOURS = ["#d62728", "#ff7f0e", "#8c564b", "#e377c2"]  # one per abandoned attempt, cycled
 
 
-def metric_chart(series: pd.DataFrame, markers: pd.DataFrame, title: str, height: int, legend: bool) -> alt.LayerChart:
+def metric_chart(
+    series: pd.DataFrame, markers: pd.DataFrame, title: str, steps: tuple[int, int], height: int, legend: bool
+) -> alt.LayerChart:
     """Lines per segment (the effective trajectory solid blue, each abandoned attempt dashed in a warm
     colour, never joined) under a rule per event, coloured by kind, with the event's message on hover."""
     segments = ["effective", *sorted(set(series.segment) - {"effective"})]
     colours = ["#1f77b4", *(ABANDONED_COLOURS[i % len(ABANDONED_COLOURS)] for i in range(len(segments) - 1))]
     show = {} if legend else {"legend": None}
+    kinds = [k for k in MARKER_COLOURS if k in set(markers.kind)] or list(MARKER_COLOURS)  # the legend lists those present
+    x = alt.X("step:Q", title="step", scale=alt.Scale(domain=list(steps), nice=False), axis=STEP_AXIS)
     lines = (
         alt.Chart(series, title=title)
-        .mark_line(strokeWidth=1.5)
+        .mark_line(strokeWidth=1.5, clip=True)
         .encode(
-            x=alt.X("step:Q", title="step"),
+            x=x,
             y=alt.Y("value:Q", title=None, scale=alt.Scale(zero=False)),
             color=alt.Color("segment:N", scale=alt.Scale(domain=segments, range=colours), title="trajectory", **show),
             strokeDash=alt.condition(alt.datum.segment == "effective", alt.value([1, 0]), alt.value([4, 3])),
@@ -82,12 +146,107 @@ def metric_chart(series: pd.DataFrame, markers: pd.DataFrame, title: str, height
     )
     rules = (
         alt.Chart(markers)
-        .mark_rule(opacity=0.45)
+        .mark_rule(opacity=0.7)
         .encode(
-            x="step:Q",
-            color=alt.Color("kind:N", title="event", scale=alt.Scale(scheme="tableau20"), **show),
+            x=x,
+            color=alt.Color("kind:N", title="event", scale=alt.Scale(domain=kinds, range=[MARKER_COLOURS[k] for k in kinds]), **show),
             tooltip=["kind", "step", "attempt", "rank", "severity", "message"],
         )
     )
     chart = alt.layer(rules, lines).resolve_scale(color="independent").properties(height=height)
     return chart.configure_legend(orient="bottom", columns=8) if legend else chart
+
+
+def _rank_charts(ranks: pd.DataFrame, stragglers: pd.DataFrame, steps: tuple[int, int]) -> None:
+    st.subheader("Ranks")
+    if ranks.empty:
+        st.info("No per-rank metrics in this step range.")
+        return
+    st.caption(f"Mean per rank over up to {HEATMAP_BINS} step ranges; a straggler event is ringed in red; blank: not measured "
+               "(communication is timed on sampled steps). The rank the others wait for has the least communication time.")  # fmt: skip
+    heat, memory = st.columns([4, 1])
+    with heat:
+        for metric, title in (("step_time_s", "step time (s)"), ("comm_time_s", "communication time (s)")):
+            st.altair_chart(rank_heatmap(ranks, stragglers, metric, title, steps), key=f"heatmap-{metric}")
+    with memory:
+        peak = ranks.groupby("rank", as_index=False).mem_peak_bytes.max()
+        peak["GiB"] = peak.mem_peak_bytes.astype("float64") / 2**30
+        bars = (
+            alt.Chart(peak, title="peak memory (GiB)").mark_bar().encode(y="rank:O", x=alt.X("GiB:Q", title=None), tooltip=["rank", "GiB"])
+        )
+        st.altair_chart(bars.properties(height=_rank_rows(ranks)), key="rank-memory")
+
+
+def _rank_rows(ranks: pd.DataFrame) -> alt.Step:
+    """Each rank's row height: 20 px, smaller for many ranks so that the heatmap stays on a screen.
+    Sized by step, not by a total height: Vega-Lite fitted to a total squeezes the rows to nothing."""
+    return alt.Step(max(4, min(20, 480 // ranks["rank"].nunique())))
+
+
+def rank_heatmap(ranks: pd.DataFrame, stragglers: pd.DataFrame, metric: str, title: str, steps: tuple[int, int]) -> alt.LayerChart:
+    """One cell per rank and step range, coloured by the mean of `metric`; straggler events ringed."""
+    x = alt.X("first_step:Q", title="step", scale=alt.Scale(domain=[steps[0], steps[1] + 1], nice=False), axis=STEP_AXIS)
+    cells = (
+        alt.Chart(ranks.assign(end_step=ranks.last_step + 1), title=title)
+        .mark_rect()
+        .encode(
+            x=x,
+            x2="end_step:Q",
+            y=alt.Y("rank:O"),
+            color=alt.Color(f"{metric}:Q", title=None, scale=alt.Scale(scheme="viridis")),
+            tooltip=["rank", "first_step", "last_step", "step_time_s", "comm_time_s", "busy_time_s"],
+        )
+    )
+    rings = (
+        alt.Chart(stragglers.assign(at=stragglers.step + 0.5))
+        .mark_point(shape="circle", size=120, color="#ff2d2d", strokeWidth=2.5)
+        .encode(x="at:Q", y="rank:O", tooltip=["step", "rank", "message"])
+    )
+    return alt.layer(cells, rings).properties(height=_rank_rows(ranks))
+
+
+def _goodput_chart(goodput) -> None:
+    st.subheader("Goodput")
+    st.caption(f"{goodput.goodput:.1%} of {goodput.wall_s:,.0f} s of wall time went to steps that count.")
+    parts = pd.DataFrame({"where": ["productive", *goodput.lost_s], "seconds": [goodput.productive_s, *goodput.lost_s.values()]})
+    y = alt.Y("where:N", sort=None, title=None, axis=alt.Axis(labelOverlap=False))
+    bars = alt.Chart(parts, title="where the time went (s)").mark_bar().encode(y=y, x="seconds:Q", tooltip=["where", "seconds"])
+    st.altair_chart(bars.properties(height=alt.Step(24)), key="goodput")
+
+
+@st.cache_data(max_entries=1024, show_spinner=False)
+def _verified(path: str, manifest_mtime_ns: int) -> str | None:
+    """A checkpoint's verification, hashed once per manifest (a rewritten checkpoint has a new one)."""
+    return verify(Path(path))
+
+
+def _verify_cached(path: Path) -> str | None:
+    try:
+        return _verified(str(path), (path / MANIFEST).stat().st_mtime_ns)
+    except FileNotFoundError:
+        return verify(path)
+
+
+def _checkpoints(run_dir: Path, events: pd.DataFrame) -> None:
+    st.subheader("Checkpoints")
+    table = checkpoint_table(run_dir, events, _verify_cached)
+    if table.empty:
+        st.info("No checkpoint saved yet.")
+        return
+    table["MiB"] = table.size_bytes.astype("float64") / 2**20
+    shown = table[["step", "attempt", "folder", "MiB", "blocked_s", "write_s", "state"]]
+    columns = {"MiB": st.column_config.NumberColumn(format="%.1f"), "blocked_s": st.column_config.NumberColumn("blocked (s)", format="%.3f"),
+               "write_s": st.column_config.NumberColumn("written in (s)", format="%.2f")}  # fmt: skip
+    st.dataframe(shown, hide_index=True, column_config=columns, key="checkpoints")
+
+
+def _config(run_dir: Path) -> None:
+    with st.expander("Resolved config"):
+        path = run_dir / CONFIG_FILE
+        if path.is_file():
+            st.code(path.read_text(), language="toml")
+        else:
+            try:
+                st.json(read_meta(run_dir).get("config", {}))
+            except sqlite3.Error as e:
+                st.warning(f"{run_dir}: no {CONFIG_FILE} and the run store cannot be read ({e}).")

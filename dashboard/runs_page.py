@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import urllib.parse
 from pathlib import Path
 
 import pandas as pd
@@ -14,7 +15,7 @@ RUNS_ENV = "KEEL_DASHBOARD_RUNS"  # the folders to search, os.pathsep-separated 
 REFRESH_S = 5.0
 # Shown as these headers, in this order; the rest of the summary stays in the data.
 _SHOWN = {
-    "run_id": "run", "status": "status", "layout": "layout", "progress": "step", "loss": "loss",
+    "link": "run", "run_id": "run id", "status": "status", "layout": "layout", "progress": "step", "loss": "loss",
     "tokens_per_s": "tokens/s", "mfu": "MFU", "comm_share": "comm share", "goodput": "goodput",
     "rollbacks": "rollbacks", "restarts": "restarts", "alerts": "alerts", "problem": "problem",
 }  # fmt: skip
@@ -32,6 +33,8 @@ def runs_table(summaries: pd.DataFrame) -> pd.DataFrame:
     for share in ("mfu", "comm_share", "goodput"):
         table[share] = table[share].astype(float) * 100
     table["problem"] = table.problem.fillna("")
+    # The Run page's deep link; it names the run by its folder, as the Run page's chooser does.
+    table["link"] = [f"run?run={urllib.parse.quote(Path(d).name)}" for d in table.run_dir]
     return table[list(_SHOWN)].rename(columns=_SHOWN)
 
 
@@ -52,5 +55,6 @@ def _live_table(folders: list[Path]) -> None:
         st.warning(f"{problem.run_dir}: cannot read its run store ({problem.problem}); the other runs are shown.")
     percent = st.column_config.NumberColumn(format="%.1f%%")
     columns = {"MFU": percent, "comm share": percent, "goodput": percent, "loss": st.column_config.NumberColumn(format="%.4f"),
-               "tokens/s": st.column_config.NumberColumn(format="%,.0f")}  # fmt: skip
+               "tokens/s": st.column_config.NumberColumn(format="%,.0f"),
+               "run": st.column_config.LinkColumn(display_text=r"run\?run=(.*)")}  # fmt: skip
     st.dataframe(runs_table(summaries), hide_index=True, column_config=columns)

@@ -7,13 +7,18 @@ import pandas as pd
 
 from keel.monitor.downsample import m4
 
-# The event kinds drawn as markers on the charts, with the word a person reads in the legend.
-MARKER_KINDS = {
-    "loss_outlier": "loss outlier", "spike": "confirmed spike", "nonfinite": "non-finite skip", "rollback": "rollback",
-    "skip_data": "data skip", "bad_batch": "bad batch", "checkpoint_saved": "checkpoint saved",
-    "checkpoint_corrupt": "checkpoint corrupt", "hang": "hang", "restart": "restart", "oom": "out of memory",
-    "straggler": "straggler", "fault_injected": "injected fault", "alert": "alert",
+# The event kinds drawn as markers on the charts: the word a person reads in the legend, and its colour
+# (faults and failures red, detections orange, recoveries green, routine saves grey).
+MARKERS = {
+    "loss_outlier": ("loss outlier", "#fdae6b"), "spike": ("confirmed spike", "#e6550d"),
+    "nonfinite": ("non-finite skip", "#d62728"), "rollback": ("rollback", "#2ca02c"), "skip_data": ("data skip", "#98df8a"),
+    "bad_batch": ("bad batch", "#bcbd22"), "checkpoint_saved": ("checkpoint saved", "#c7c7c7"),
+    "checkpoint_corrupt": ("checkpoint corrupt", "#8c564b"), "hang": ("hang", "#9467bd"), "restart": ("restart", "#17becf"),
+    "oom": ("out of memory", "#e377c2"), "straggler": ("straggler", "#ff7f0e"), "fault_injected": ("injected fault", "#7f7f7f"),
+    "alert": ("alert", "#ff2d2d"),
 }  # fmt: skip
+MARKER_KINDS = {kind: word for kind, (word, _) in MARKERS.items()}
+MARKER_COLOURS = {word: colour for word, colour in MARKERS.values()}
 # The step metrics charted against step, with their titles.
 METRICS = {
     "loss": "loss", "grad_norm": "grad norm", "lr": "learning rate", "tokens_per_s": "tokens/s", "mfu": "MFU",
@@ -31,11 +36,14 @@ def abandoned_rows(every: pd.DataFrame, kept: pd.DataFrame) -> pd.DataFrame:
     return dropped.assign(segment="attempt " + dropped.attempt.astype(str)).reset_index(drop=True)
 
 
-def metric_series(every: pd.DataFrame, kept: pd.DataFrame, metric: str, buckets: int = BUCKETS) -> pd.DataFrame:
+def metric_series(every: pd.DataFrame, kept: pd.DataFrame, metric: str, grid: tuple[float, float] | None = None,
+                  buckets: int = BUCKETS) -> pd.DataFrame:  # fmt: skip
     """One metric ready to draw: columns step, value, segment ("effective" or "attempt N"), each segment
-    downsampled on one shared grid and never joined to another (a line is drawn per segment)."""
-    steps = pd.concat([every.step, kept.step])
-    grid = (float(steps.min()), float(steps.max())) if len(steps) else None
+    downsampled on one shared grid (the chart's step range; by default the steps given) and never joined
+    to another (a line is drawn per segment)."""
+    if grid is None:
+        steps = pd.concat([every.step, kept.step])
+        grid = (float(steps.min()), float(steps.max())) if len(steps) else None
     parts = [kept.assign(segment="effective"), *(rows for _, rows in abandoned_rows(every, kept).groupby("attempt"))]
     frames = []
     for part in parts:
@@ -51,3 +59,24 @@ def event_markers(events: pd.DataFrame) -> pd.DataFrame:
     shown["kind"] = shown.kind.map(MARKER_KINDS)
     shown["rank"] = shown["rank"].astype("string").fillna("all")
     return shown.astype({"step": "int64"}).reset_index(drop=True)
+
+
+def straggler_marks(events: pd.DataFrame, steps: tuple[int, int]) -> pd.DataFrame:
+    """The straggler events naming a rank, within the step range: step, rank, message."""
+    found = events[(events.kind == "straggler") & events.step.notna() & events["rank"].notna()]
+    found = found[found.step.between(*steps)]
+    return found[["step", "rank", "message"]].astype({"step": "int64", "rank": "int64"}).reset_index(drop=True)
+
+
+def compare_series(runs: dict[str, pd.DataFrame], metric: str, x: str, buckets: int = BUCKETS) -> pd.DataFrame:
+    """Several runs' effective trajectories of one metric against `x` ("step" or "tokens_seen", the
+    tokens trained on up to and including the step): columns run, x, value, each run downsampled with
+    M4 on one grid spanning every run, so the runs stay comparable point for point."""
+    frames = {name: kept.assign(tokens_seen=kept.tokens.astype("float64").cumsum()) for name, kept in runs.items()}
+    xs = pd.concat([f[x] for f in frames.values()]) if frames else pd.Series(dtype="float64")
+    grid = (float(xs.min()), float(xs.max())) if len(xs) else None
+    parts = []
+    for name, frame in frames.items():
+        shown = frame[[x, metric]].dropna().sort_values(x)
+        parts.append(m4(shown, x, metric, buckets, grid).rename(columns={x: "x", metric: "value"}).assign(run=name))
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["x", "value", "run"])

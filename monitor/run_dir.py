@@ -10,6 +10,7 @@
         control/faults/              live fault requests left by `keel inject`
         control/microbatches.json    the micro-batch setting an out-of-memory restart hands to the next attempt
         drills/drill-<time>/         `keel drill`'s runs and reports
+        wandb/offline-run-*/         W&B's offline runs, for `wandb sync` (keel.monitor.wandb_sink)
 
 Only names and path arithmetic live here (no torch, no I/O beyond listing a folder), so any
 component may import it at no cost.
@@ -32,6 +33,7 @@ CONTROL_DIR = "control"
 FAULT_REQUEST_DIR = Path(CONTROL_DIR) / "faults"
 MICROBATCH_FILE = Path(CONTROL_DIR) / "microbatches.json"
 DRILL_DIR = "drills"
+WANDB_DIR = "wandb"  # wandb.init(dir=RUN_DIR) names it
 
 # A finished checkpoint's folder; a save in flight or one found corrupt has another name and never matches.
 CHECKPOINT_PATTERN = re.compile(r"^step-(\d{8})$")
@@ -50,3 +52,8 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     folder = Path(run_dir) / CHECKPOINT_DIR
     found = [(int(m.group(1)), p) for p in folder.glob("step-*") if (m := CHECKPOINT_PATTERN.match(p.name)) and p.is_dir()]
     return sorted(found)
+
+
+def wandb_offline_runs(run_dir: str | Path) -> list[Path]:
+    """The run's offline W&B runs (one per worker start: a restart or resume adds one), oldest first."""
+    return sorted(p for p in (Path(run_dir) / WANDB_DIR).glob("offline-run-*") if p.is_dir())

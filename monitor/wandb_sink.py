@@ -3,7 +3,8 @@ user's W&B settings).
 
 mode "auto" logs online only when an API key is at hand (WANDB_API_KEY or a `wandb login` entry in
 ~/.netrc) and otherwise offline, under RUN_DIR/wandb/, for a later `wandb sync`. Offline never waits on
-or talks to the network. wandb is imported only when this sink is built, so Keel runs without it.
+or talks to the network. wandb is imported only when this sink is built (it takes about a second), and
+a wandb that cannot be imported or cannot start is a SinkError: the run goes on without W&B.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, get_args
 from keel.monitor.alerts import describe
 from keel.monitor.config_fields import WandbMode
 from keel.monitor.redact import redact, redact_argv
+from keel.monitor.run_dir import WANDB_DIR
 from keel.monitor.sinks import Event, SinkError
 
 log = logging.getLogger("keel.monitor")
@@ -48,17 +50,17 @@ class WandbSink:
             raise SinkError(f"monitor.wandb_mode={mode!r} is not one of {', '.join(get_args(WandbMode))}")
         try:
             import wandb
-        except ImportError:
-            raise SinkError("W&B logging needs the wandb package: pip install wandb, or set monitor.wandb_mode=disabled") from None
+        except Exception as e:  # not only ImportError: a broken install can raise anything at import
+            raise SinkError(
+                f"W&B logging needs a working wandb package ({type(e).__name__}: {e}): pip install wandb, or set monitor.wandb=false"
+            ) from None
         run_dir = Path(run_dir)
+        offline_runs = f"{run_dir / WANDB_DIR}/offline-run-*"
         if mode == "auto":
             mode = "online" if _api_key_available() else "offline"
             if mode == "offline":
                 log.info(
-                    "W&B: no API key (WANDB_API_KEY or `wandb login`), logging offline to %s/wandb;"
-                    " upload later with `wandb sync %s/wandb/offline-run-*`",
-                    run_dir,
-                    run_dir,
+                    "W&B: no API key (WANDB_API_KEY or `wandb login`), logging offline; upload later with `wandb sync %s`", offline_runs
                 )
         self.mode = mode
         self.alert_throttle_s = alert_throttle_s
@@ -67,13 +69,13 @@ class WandbSink:
         self._last_attempt: int | None = None
         self._held: dict[str, Any] | None = None  # the newest step not logged yet
         self._levels = {"critical": wandb.AlertLevel.ERROR, "warning": wandb.AlertLevel.WARN, "info": wandb.AlertLevel.INFO}
-        # console="off": Keel keeps its own logs, and wandb's capture would rewrap sys.stdout for everyone.
-        # reinit="create_new": a run the user's own code opened is left alone.
-        settings = wandb.Settings(mode=mode, silent=True, console="off", reinit="create_new", init_timeout=_INIT_TIMEOUT_S)
-        run_dir.mkdir(parents=True, exist_ok=True)  # wandb warns about a missing git root otherwise
         # wandb uploads the command line with the run, so `--monitor.webhook_url=...` would go with it.
         argv, sys.argv = sys.argv, redact_argv(sys.argv)
         try:
+            # console="off": Keel keeps its own logs, and wandb's capture would rewrap sys.stdout for everyone.
+            # reinit="create_new": a run the user's own code opened is left alone.
+            settings = wandb.Settings(mode=mode, silent=True, console="off", reinit="create_new", init_timeout=_INIT_TIMEOUT_S)
+            run_dir.mkdir(parents=True, exist_ok=True)  # wandb warns about a missing git root otherwise
             # The process-wide settings matter too: wandb's own usage telemetry follows them, not the run's,
             # and would post to the W&B server at exit even from an offline run. Setting them here rather
             # than WANDB_MODE/WANDB_SILENT keeps os.environ (inherited by workers) as the user left it.
@@ -86,10 +88,7 @@ class WandbSink:
             self._run.define_metric("train/step")
             self._run.define_metric("*", step_metric="train/step")
         except Exception as e:
-            raise SinkError(
-                f"W&B could not start the run ({type(e).__name__}: {e}): set WANDB_API_KEY or run `wandb login`,"
-                f" or set monitor.wandb_mode=offline; sync later with `wandb sync {run_dir}/wandb/offline-run-*`"
-            ) from None
+            raise SinkError(f"W&B could not start the run ({type(e).__name__}: {e}): {_fix(mode, offline_runs)}") from None
         finally:
             sys.argv = argv
 
@@ -129,6 +128,14 @@ class WandbSink:
         if self._held is not None:
             self._run.log(self._held)
         self._run.finish()
+
+
+def _fix(mode: str, offline_runs: str) -> str:
+    """What to do when wandb.init failed: online, mostly the API key; offline, what failed is local (the
+    error names it) and the run is better off without W&B than stopped."""
+    if mode == "online":
+        return f"set WANDB_API_KEY or run `wandb login`, or set monitor.wandb_mode=offline; sync later with `wandb sync {offline_runs}`"
+    return "set monitor.wandb=false to leave W&B out"
 
 
 def _api_key_available() -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,9 +11,26 @@ from pathlib import Path
 
 import pytest
 
-from keel.monitor.store import read_steps
+from keel.monitor.store import read_events, read_steps
 
 REPO = Path(__file__).resolve().parents[1]
+# W&B is on by default and adds about a second to every run, a fifth of a tiny one (its import and offline
+# start-up on rank 0), so the runs these helpers start leave it off unless the test sets a monitor.wandb field.
+NO_WANDB = "--monitor.wandb=false"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_wandb_api_key(tmp_path_factory):
+    """No API key reaches a run (WANDB_API_KEY, a `wandb login` entry): W&B runs in tests log offline and
+    never go to the network, even on a developer's machine."""
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("WANDB_API_KEY", raising=False)
+        env.setenv("NETRC", str(tmp_path_factory.mktemp("netrc") / "missing"))  # where wandb looks first
+        yield
+
+
+def _without_wandb(args: tuple[str, ...]) -> list[str]:
+    return list(args) if any(arg.lstrip("-").startswith("monitor.wandb") for arg in args) else [*args, NO_WANDB]
 
 
 def keel(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -20,7 +38,7 @@ def keel(*args: str, cwd: Path | None = None, timeout: float = 300) -> subproces
     # their spin-waits collide and a 20 ms step takes seconds. Every run in a test (references too)
     # gets the same setting, so the comparisons stay exact.
     env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "keel.cli", *args]
+    cmd = [sys.executable, "-m", "keel.cli", *(_without_wandb(args) if args[0] == "train" else args)]
     # A session of its own, so that a run that times out is stopped with its torchrun and workers.
     with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
         try:
@@ -34,7 +52,7 @@ def keel(*args: str, cwd: Path | None = None, timeout: float = 300) -> subproces
 
 def plain_torchrun(workers: int, *args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """The worker module started by torchrun directly, without `keel train` (as a cluster script does)."""
-    module = ["-m", "keel.trainer.train", *args]
+    module = ["-m", "keel.trainer.train", *_without_wandb(args)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}", *module]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"})
 
@@ -44,6 +62,24 @@ def train(run_dir: Path, *args: str, timeout: float = 300):
     proc = keel("train", "--run-dir", str(run_dir), *args, timeout=timeout)
     assert proc.returncode == 0, f"keel train {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return read_steps(run_dir, effective=True)
+
+
+def drill(run_dir: Path, *args: str, timeout: float = 900) -> tuple[int, dict, Path, str]:
+    """Runs `keel drill --run-dir run_dir ARGS`; returns its exit code, report.json, report folder and output."""
+    proc = keel("drill", "--run-dir", str(run_dir), *args, timeout=timeout)
+    reports = sorted((run_dir / "drills").glob("drill-*/report.json"))
+    assert reports, f"no report:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.returncode, json.loads(reports[-1].read_text()), reports[-1].parent, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="session")
+def collective_drill(tmp_path_factory) -> tuple[int, dict, Path, str]:
+    """A drill of a 3D-parallel job (pp2 dp2 tp2): a hang, a crash and slow communication on rank 7. Its
+    runs hold what a user sees after such faults (a watchdog kill and torchrun's restart, a straggler);
+    the drill and dashboard tests share it."""
+    args = ("--config", "tiny", "--pp=2", "--dp=2", "--tp=2", "--faults=hang;crash;slow_comm", "--drill-steps=16", "--fault-step=9",
+            "--checkpoint-every=4")  # fmt: skip
+    return drill(tmp_path_factory.mktemp("drill") / "job", *args)
 
 
 @pytest.fixture(scope="session")
@@ -57,3 +93,13 @@ def reference_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def reference_run(reference_dir):
     return read_steps(reference_dir, effective=True)
+
+
+@pytest.fixture(scope="session")
+def spike_run(tmp_path_factory) -> Path:
+    """A real run with checkpoints, a loss spike from bad data, the rollback and the data skip."""
+    run_dir = tmp_path_factory.mktemp("dashboard") / "spike"
+    train(run_dir, "--config=tiny", "--pp=1", "--dp=1", "--tp=1", "--steps=60", "--checkpoint.interval_steps=10",
+          "--spike.warmup_steps=12", "--spike.min_baseline=8", "--fault=spike@step=30,steps=3")  # fmt: skip
+    assert (read_events(run_dir).kind == "rollback").sum() == 1
+    return run_dir

@@ -6,15 +6,17 @@ import io
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
+import pytest
 from conftest import REPO, keel, plain_torchrun
 
-from keel.monitor.run_dir import list_checkpoints
+from keel.monitor.checkpoints import verify
+from keel.monitor.run_dir import list_checkpoints, wandb_offline_runs
 from keel.monitor.store import read_events, read_steps
-from keel.trainer.checkpoint import verify
 from keel.trainer.config import load_config
-from keel.trainer.launch import parse_train_args, torchrun_command
+from keel.trainer.launch import next_commands, parse_train_args, torchrun_command
 
 
 def test_run_directory_contract(reference_dir):
@@ -73,11 +75,51 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert install_and_test in (REPO / ".ci" / "run").read_text().splitlines()
 
 
-def test_the_main_layout_prints_no_warnings(tmp_path):
-    """What a user sees of `keel train` at pp2·dp2·tp2: progress and the goodput line, no library warnings
-    (torch's FSDP2 warned on every rank about a view that Keel never changes in place)."""
+@pytest.fixture(scope="module")
+def main_layout_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """`keel train` at the main job's layout (pp2·dp2·tp2) for 3 steps, with the default monitoring (W&B
+    offline: no API key reaches a test) and library warnings not silenced, as a user runs it."""
+    run_dir = tmp_path_factory.mktemp("main") / "run"
     env = {key: value for key, value in os.environ.items() if key != "PYTHONWARNINGS"}
-    cmd = [sys.executable, "-m", "keel.cli", "train", "--config=tiny", "--pp=2", "--dp=2", "--tp=2", "--steps=3", f"--run-dir={tmp_path}"]
+    cmd = [sys.executable, "-m", "keel.cli", "train", "--config=tiny", "--pp=2", "--dp=2", "--tp=2", "--steps=3", f"--run-dir={run_dir}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, run_dir
+
+
+def test_the_main_layout_prints_no_warnings(main_layout_run):
+    """What a user sees of `keel train` at pp2·dp2·tp2: progress and the goodput line, no library warnings
+    (torch's FSDP2 warned on every rank about a view that Keel never changes in place), nothing from W&B."""
+    proc, _ = main_layout_run
     assert "Warning" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+    assert "wandb" not in proc.stderr.lower() and "W&B" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_wandb_is_on_by_default_in_auto_mode():
+    cfg, _ = parse_train_args([])
+    assert cfg.monitor.wandb and cfg.monitor.wandb_mode == "auto"
+
+
+def test_train_ends_with_the_commands_that_show_and_upload_the_run(main_layout_run):
+    proc, run_dir = main_layout_run
+    [offline] = wandb_offline_runs(run_dir)
+    assert list(offline.glob("run-*.wandb")), "no offline W&B run was written"
+    watch, upload = f"Watch it:   keel dashboard {run_dir.parent.resolve()}", f"Upload it:  wandb sync {offline.resolve()}"
+    assert proc.stdout.splitlines()[-2:] == [watch, upload]
+
+
+def test_next_commands_are_paths_to_paste(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_dir = Path("runs", "r1")
+    assert next_commands(run_dir) == []  # no run store on this node: rank 0 ran elsewhere
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.sqlite").touch()
+    assert next_commands(run_dir) == ["Watch it:   keel dashboard runs"]  # no offline W&B run: nothing to sync
+    first, restarted = "runs/r1/wandb/offline-run-20260101_000000-r1", "runs/r1/wandb/offline-run-20260101_000900-r1"
+    Path(first).mkdir(parents=True)
+    Path(restarted).mkdir()
+    assert next_commands(run_dir)[1] == f"Upload it:  wandb sync {first} {restarted}"
+    # A run right in the working directory is shown alone, not with everything below `.` (a .venv, say).
+    Path("exp 1").mkdir()
+    Path("exp 1", "run.sqlite").touch()
+    assert next_commands(Path("exp 1")) == ["Watch it:   keel dashboard 'exp 1'"]

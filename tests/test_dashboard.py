@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -14,9 +15,11 @@ from pathlib import Path
 import pandas as pd
 import pyarrow as pa
 import pytest
-from conftest import keel, train
+from conftest import keel
 from streamlit.testing.v1 import AppTest
 
+from keel.dashboard.actions import ACTIONS_ENV, ActionRefused, inject_fault, start_drill
+from keel.dashboard.launch import actions_state
 from keel.dashboard.runs_page import RUNS_ENV
 from keel.dashboard.series import MARKER_KINDS, METRICS
 from keel.monitor.store import read_events, read_steps
@@ -39,11 +42,12 @@ def test_runs_page_lists_the_runs_and_names_the_broken_one(runs_folder, monkeypa
     monkeypatch.setenv(RUNS_ENV, str(runs_folder))
     app = AppTest.from_file(str(APP), default_timeout=60).run()
     assert not app.exception, app.exception
-    table = app.dataframe[0].value.set_index("run")
+    table = app.dataframe[0].value.set_index("run id")
     [run_id] = [r for r in table.index if r != "broken"]
     assert table.loc[run_id, "status"] == "finished" and table.loc[run_id, "step"] == "20 / 20"
     assert table.loc[run_id, "layout"] == "pp1 dp1 tp1" and table.loc[run_id, "loss"] > 0
     assert table.loc["broken", "status"] == "unreadable"
+    assert table.loc[run_id, "run"] == "run?run=tiny"  # a link to the Run page, by the folder's name
     assert any("broken" in w.value and "cannot read its run store" in w.value for w in app.warning)
 
 
@@ -51,16 +55,6 @@ def test_runs_page_with_no_runs_says_how_to_start_one(tmp_path, monkeypatch):
     monkeypatch.setenv(RUNS_ENV, str(tmp_path))
     app = AppTest.from_file(str(APP), default_timeout=60).run()
     assert not app.exception and "No runs found yet" in app.info[0].value
-
-
-@pytest.fixture(scope="session")
-def spike_run(tmp_path_factory) -> Path:
-    """A real run with checkpoints, a loss spike from bad data, the rollback and the data skip."""
-    run_dir = tmp_path_factory.mktemp("dashboard") / "spike"
-    train(run_dir, "--config=tiny", "--pp=1", "--dp=1", "--tp=1", "--steps=60", "--checkpoint.interval_steps=10",
-          "--spike.warmup_steps=12", "--spike.min_baseline=8", "--fault=spike@step=30,steps=3")  # fmt: skip
-    assert (read_events(run_dir).kind == "rollback").sum() == 1
-    return run_dir
 
 
 def _run_page(run_folder: Path, run: str, monkeypatch) -> AppTest:
@@ -74,12 +68,22 @@ def _chart_frames(chart) -> list[pd.DataFrame]:
     return [pa.ipc.open_stream(d.data.data).read_pandas() for d in chart.proto.datasets]
 
 
+def _charts(app: AppTest) -> dict[str, list[pd.DataFrame]]:
+    """The page's charts by title (a layered chart's title is its titled layer's), each as its data frames."""
+    charts = {}
+    for chart in app.get("vega_lite_chart"):
+        spec = json.loads(chart.proto.spec)
+        [title] = [t for t in [spec.get("title"), *(layer.get("title") for layer in spec.get("layer", []))] if t]
+        charts[title] = _chart_frames(chart)
+    return charts
+
+
 def test_run_page_marks_every_event_and_draws_the_rolled_back_steps_apart(spike_run, monkeypatch):
     app = _run_page(spike_run.parent, "spike", monkeypatch)
     assert not app.exception and not app.error, (app.exception, app.error)
-    charts = app.get("vega_lite_chart")
-    assert len(charts) == len(METRICS)
-    markers, lines = sorted(_chart_frames(charts[0]), key=lambda f: "segment" in f.columns)  # the loss chart
+    charts = _charts(app)
+    assert set(METRICS.values()) <= set(charts)
+    markers, lines = sorted(charts["loss"], key=lambda f: "segment" in f.columns)
     events = read_events(spike_run)
     marked = events[events.kind.isin(MARKER_KINDS)]
     assert sorted(markers.step) == sorted(marked.step.astype(int))
@@ -92,6 +96,36 @@ def test_run_page_marks_every_event_and_draws_the_rolled_back_steps_apart(spike_
     kept = read_steps(spike_run, effective=True)
     effective = lines[lines.segment == "effective"].sort_values("step")
     assert effective.step.tolist() == kept.step.tolist() and effective.value.tolist() == kept.loss.tolist()
+
+
+def test_run_page_lists_checkpoints_goodput_and_the_config(spike_run, monkeypatch):
+    app = _run_page(spike_run.parent, "spike", monkeypatch)
+    saved = read_events(spike_run).query("kind == 'checkpoint_saved'")
+    table = app.dataframe[0].value.set_index("step")
+    on_disk = {p.name for p in (spike_run / "checkpoints").iterdir()}
+    assert sorted(table.index) == sorted(set(saved.step.astype(int)))
+    for _, row in table.iterrows():  # every save still on disk is verified; the rest say so
+        assert row.state == ("verified" if row.folder in on_disk else "removed"), row
+        assert row.blocked_s > 0 and row.write_s >= row.blocked_s
+    assert (table.MiB[table.state == "verified"] > 0).all()
+    goodput = read_events(spike_run).query("kind == 'goodput'").iloc[-1].data
+    [bars] = _charts(app)["where the time went (s)"]
+    assert dict(zip(bars["where"], bars.seconds))["recomputed"] == pytest.approx(goodput["lost_s"]["recomputed"], rel=1e-6)
+    assert 'preset = "tiny"' in app.code[0].value and "interval_steps = 10" in app.code[0].value
+
+
+def test_run_page_step_range_shows_every_step_of_it_and_stays_in_the_url(spike_run, monkeypatch):
+    monkeypatch.setenv(RUNS_ENV, str(spike_run.parent))
+    app = AppTest.from_string("from keel.dashboard.run_page import render_run\nrender_run()", default_timeout=60)
+    app.query_params.update({"run": "spike", "steps": "25-35"})
+    app.run()
+    assert app.slider[0].value == (25, 35)
+    markers, lines = sorted(_charts(app)["loss"], key=lambda f: "segment" in f.columns)
+    kept = read_steps(spike_run, effective=True)
+    assert lines[lines.segment == "effective"].step.tolist() == kept.step[kept.step.between(25, 35)].tolist()
+    assert markers.step.between(25, 35).all()
+    app.slider[0].set_range(30, 60).run()  # the user widens it to the newest step
+    assert app.query_params["steps"] == "30-60"
 
 
 def test_run_page_refuses_a_crafted_run_name(spike_run, monkeypatch):
@@ -150,3 +184,131 @@ def test_events_page_lists_every_event_and_filters_from_the_url(spike_run, monke
     expected = events[(events.severity == "critical") & events.kind.isin(["alert", "rollback"])]
     assert len(shown) == len(expected) > 0 and set(shown.kind) == {"alert", "rollback"}
     assert critical.multiselect[1].value == ["critical"]  # the filter the URL asked for is the one shown
+
+
+@pytest.fixture(scope="session")
+def drill_runs(collective_drill, tmp_path_factory) -> Path:
+    """The runs of a pp2 dp2 tp2 drill (hang, crash, slow communication) in a folder, as a user who keeps
+    them would link them; the drill's report stays where the drill wrote it."""
+    folder = tmp_path_factory.mktemp("drill-runs")
+    for run in (collective_drill[2] / "runs").iterdir():
+        (folder / run.name).symlink_to(run, target_is_directory=True)
+    return folder
+
+
+def _layers(frames: list[pd.DataFrame], column: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A two-layer chart's frames: the one with `column` first."""
+    with_column, other = sorted(frames, key=lambda f: column not in f.columns)
+    return with_column, other
+
+
+def test_run_page_of_a_hang_and_restart_marks_both_and_covers_every_rank(drill_runs, monkeypatch):
+    app = _run_page(drill_runs, "hang", monkeypatch)
+    assert not app.exception and not app.error, (app.exception, app.error)
+    charts = _charts(app)
+    markers, _ = _layers(charts["loss"], "kind")
+    events = read_events(drill_runs / "hang")
+    marked = events[events.kind.isin(MARKER_KINDS)]
+    assert sorted(markers.step) == sorted(marked.step.astype(int)) and {"hang", "restart"} <= set(markers.kind)
+    cells, _ = _layers(charts["step time (s)"], "first_step")
+    assert sorted(set(cells["rank"])) == list(range(8))
+    for _, rows in cells.groupby("rank"):  # every rank, every step of the run
+        assert rows.first_step.min() == 1 and rows.last_step.max() == 16 and rows.rows.sum() >= 16
+    [memory] = charts["peak memory (GiB)"]
+    assert sorted(memory["rank"]) == list(range(8)) and (memory.GiB > 0).all()
+
+
+def test_run_page_rings_the_straggler_the_detector_named(drill_runs, monkeypatch):
+    app = _run_page(drill_runs, "slow_comm", monkeypatch)
+    named = read_events(drill_runs / "slow_comm").query("kind == 'straggler'")
+    assert 7 in set(named["rank"])  # the slow rank; a busy machine can get others named too
+    _, rings = _layers(_charts(app)["communication time (s)"], "first_step")
+    assert sorted(zip(rings.step, rings["rank"])) == sorted(zip(named.step.astype(int), named["rank"].astype(int)))
+
+
+def _page(render: str, runs_env: Path, monkeypatch, params: dict | None = None, actions: bool = False) -> AppTest:
+    monkeypatch.setenv(RUNS_ENV, str(runs_env))
+    monkeypatch.setenv(ACTIONS_ENV, "1" if actions else "0")
+    module = {"render_drills": "drills_page", "render_compare": "compare_page"}[render]
+    app = AppTest.from_string(f"from keel.dashboard.{module} import {render}\n{render}()", default_timeout=60)
+    app.query_params.update(params or {})
+    return app.run()
+
+
+def test_drills_page_shows_the_verdicts_and_the_plot(collective_drill, monkeypatch):
+    _, report, folder, _ = collective_drill
+    app = _page("render_drills", folder.parents[1], monkeypatch)
+    assert not app.exception and not app.error, (app.exception, app.error)
+    listed = app.dataframe[0].value
+    assert listed.drill.tolist() == [f"job/{folder.name}"] and listed.result.tolist() == ["PASS"]
+    verdicts = app.dataframe[1].value.set_index("drill")
+    assert list(verdicts.index) == ["hang", "crash", "slow_comm"]
+    for r in report["results"]:
+        row = verdicts.loc[r["name"]]
+        assert row["detected by"] == r["detected_by"] and row["steps lost"] == r["steps_lost"]
+        assert row["detection (s)"] == pytest.approx(r["detection_latency_s"])
+    assert len(app.get("image")) == 1
+    assert not [b for b in app.button if "drill" in b.label.lower()]  # actions off: no form
+    assert "Actions are off" in app.caption[-1].value
+
+
+def test_drills_page_refuses_a_crafted_drill_name(collective_drill, monkeypatch):
+    app = _page("render_drills", collective_drill[2].parents[1], monkeypatch, {"drill": ["../../etc/passwd"]})
+    assert "No drill named '../../etc/passwd'" in app.error[0].value
+    assert app.selectbox[0].value == f"job/{collective_drill[2].name}"
+
+
+def test_actions_are_off_read_only_and_on_a_non_loopback_bind():
+    assert actions_state("127.0.0.1", read_only=False, allow_actions=False)[0]
+    assert actions_state("::1", read_only=False, allow_actions=False)[0]
+    assert actions_state("localhost", read_only=False, allow_actions=False)[0]
+    assert not actions_state("127.0.0.1", read_only=True, allow_actions=True)[0]
+    on, why = actions_state("0.0.0.0", read_only=False, allow_actions=False)
+    assert not on and "--allow-actions" in why
+    assert not actions_state("dashboard.example.com", read_only=False, allow_actions=False)[0]
+    assert actions_state("0.0.0.0", read_only=False, allow_actions=True)[0]
+
+
+def test_actions_refuse_when_off_and_names_that_leave_the_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(ACTIONS_ENV, "0")
+    with pytest.raises(ActionRefused, match="actions are off"):
+        start_drill(tmp_path, "job", "tiny", (1, 1, 1), "nan")
+    with pytest.raises(ActionRefused, match="actions are off"):
+        inject_fault(tmp_path, "nan", None)
+    monkeypatch.setenv(ACTIONS_ENV, "1")
+    for name in ("../escape", "a/b", "", ".hidden", "x" * 65):
+        with pytest.raises(ActionRefused, match="run name"):
+            start_drill(tmp_path / "runs", name, "tiny", (1, 1, 1), "nan")
+    with pytest.raises(ActionRefused, match="config"):
+        start_drill(tmp_path / "runs", "job", "; rm -rf /", (1, 1, 1), "nan")
+    assert not (tmp_path / "runs").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_drill_form_starts_keel_drill_and_shows_its_output(tmp_path, monkeypatch):
+    app = _page("render_drills", tmp_path, monkeypatch, actions=True)
+    assert "No drill yet" in app.info[0].value
+    app.text_input[0].input("job")
+    app.text_input[1].input("no-such-preset")  # keel drill checks the job and stops at once
+    app.button[0].click().run()
+    deadline = time.time() + 60
+    while "ended with exit code 2" not in " ".join(m.value for m in app.markdown) and time.time() < deadline:
+        time.sleep(1)
+        app.run()
+    assert "**Drill on `job`**: ended with exit code 2" in [m.value for m in app.markdown]
+    output = app.code[-1].value
+    assert "no-such-preset" in output and len(output.strip().splitlines()) == 1, output
+
+
+def test_compare_page_overlays_runs_by_tokens(spike_run, reference_dir, tmp_path, monkeypatch):
+    (tmp_path / "spike").symlink_to(spike_run, target_is_directory=True)
+    (tmp_path / "tiny").symlink_to(reference_dir, target_is_directory=True)
+    params = {"run": ["spike", "tiny", "../../etc"], "by": ["tokens_seen"], "metric": ["grad_norm"]}
+    app = _page("render_compare", tmp_path, monkeypatch, params)
+    assert not app.exception and "No run named '../../etc'" in app.error[0].value
+    [series] = _charts(app)["grad norm by tokens trained on"]
+    assert set(series.run) == {"spike", "tiny"}
+    for name, run_dir in (("spike", spike_run), ("tiny", reference_dir)):
+        kept = read_steps(run_dir, effective=True)
+        shown = series[series.run == name].sort_values("x")
+        assert shown.x.tolist() == kept.tokens.cumsum().astype(float).tolist()  # under 1,000 steps: every one
+        assert shown.value.tolist() == kept.grad_norm.tolist()

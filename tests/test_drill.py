@@ -3,27 +3,18 @@ judged from their run stores, with the report a person reads and the exit code a
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from conftest import keel
+from conftest import drill, keel
 
 from keel.monitor.store import read_events, read_steps
 
 TINY = ("--config", "tiny")
 # A short drill: the spike detector needs a baseline, so it may judge from step 12 on; faults hit step 22.
 SHORT_SPIKE = ("--spike.warmup_steps=12", "--spike.min_baseline=8")
-
-
-def drill(run_dir: Path, *args: str, timeout: float = 900) -> tuple[int, dict, Path, str]:
-    proc = keel("drill", "--run-dir", str(run_dir), *args, timeout=timeout)
-    reports = sorted((run_dir / "drills").glob("drill-*/report.json"))
-    assert reports, f"no report:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.returncode, json.loads(reports[-1].read_text()), reports[-1].parent, proc.stdout + proc.stderr
 
 
 def by_name(report: dict) -> dict:
@@ -58,18 +49,8 @@ def test_every_single_process_fault_is_detected_and_recovered_with_nothing_lost(
     assert (folder / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (folder / "plot.png").stat().st_size > 50_000
 
 
-def test_collective_faults_recover_at_pp2_dp2_tp2(tmp_path):
-    code, report, folder, output = drill(
-        tmp_path / "job",
-        *TINY,
-        "--pp=2",
-        "--dp=2",
-        "--tp=2",
-        "--faults=hang;crash;slow_comm",
-        "--drill-steps=16",
-        "--fault-step=9",
-        "--checkpoint-every=4",
-    )
+def test_collective_faults_recover_at_pp2_dp2_tp2(collective_drill):
+    code, report, folder, output = collective_drill
     results = by_name(report)
     assert code == 0 and report["passed"], output[-4000:]
     for name in ("hang", "crash", "slow_comm"):

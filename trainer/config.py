@@ -143,9 +143,9 @@ class MonitorConfig:
     prometheus_port: int = 9400  # busy: the next free port, logged
     prometheus_linger_s: float = 0.0  # keep /metrics up this long after the last step, for short jobs
     pushgateway_url: str = ""  # push the final state here at the end (short jobs)
-    wandb: bool = False
+    wandb: bool = True  # on by default: without an API key W&B logs offline and never waits on the network
     wandb_project: str = "keel"
-    wandb_mode: WandbMode = "auto"  # auto: online with an API key, offline without
+    wandb_mode: WandbMode = "auto"  # auto: online with an API key, offline without (RUN_DIR/wandb/, for `wandb sync`)
     wandb_min_interval_s: float = 1.0  # at most one W&B log per this many seconds (every step if steps are slower)
     webhook_url: str = ""  # Slack-compatible incoming webhook for Keel's alerts (a secret: never written out)
     alert_throttle_s: float = 300.0  # one alert of a kind per this many seconds

@@ -1,4 +1,5 @@
-"""`keel train`: parse flags and overrides, validate everything, then start torchrun with pp·dp·tp workers.
+"""`keel train`: parse flags and overrides, validate everything, then start torchrun with pp·dp·tp workers;
+at the end, print the commands that show the run and upload its offline W&B runs.
 
 All checks that can fail on user input run here, before any worker exists, so a mistake costs one
 line of output and not a stack trace from eight processes.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shlex
 import sqlite3
 import subprocess
 import sys
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM
 from keel.monitor.redact import REDACTED
-from keel.monitor.run_dir import CONFIG_FILE, DUMP_DIR
+from keel.monitor.run_dir import CONFIG_FILE, DUMP_DIR, STORE_FILE, wandb_offline_runs
 from keel.trainer.config import ConfigError, JobConfig, check_run_dir, load_config, validate
 from keel.trainer.data import open_tokens
 
@@ -176,6 +178,8 @@ def main(argv: list[str]) -> int:
         code = subprocess.call(cmd, env=worker_env(cfg, opts, run_dir))
     except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the workers
         return EXIT_INTERRUPTED
+    for line in next_commands(run_dir):
+        print(line)
     return exit_code_of_run(run_dir, code)
 
 
@@ -214,6 +218,34 @@ def exit_code_of_run(run_dir: Path, torchrun_code: int) -> int:
     if torchrun_code == 0:
         return EXIT_OK
     return {"hang": EXIT_HANG, "oom": EXIT_OOM}.get(None if last is None else last["kind"], EXIT_FAILED)
+
+
+def next_commands(run_dir: Path) -> list[str]:
+    """What `keel train` prints last: the command that shows the run, and the one that uploads its
+    offline W&B runs (if any). Nothing on a node whose rank 0 is elsewhere: the run store is there."""
+    if not (run_dir / STORE_FILE).is_file():
+        return []
+    lines = [f"Watch it:   keel dashboard {_shown(_dashboard_folder(run_dir))}"]
+    offline = wandb_offline_runs(run_dir)
+    if offline:
+        lines.append(f"Upload it:  wandb sync {' '.join(map(_shown, offline))}")
+    return lines
+
+
+def _dashboard_folder(run_dir: Path) -> Path:
+    """The folder holding the run, so the dashboard lists it beside its siblings (runs/ by default);
+    the run itself when that folder is the working directory or above it, where the dashboard would
+    search every folder below (a virtual environment, say)."""
+    parent = run_dir.resolve().parent
+    return run_dir if Path.cwd().resolve().is_relative_to(parent) else parent
+
+
+def _shown(path: Path) -> str:
+    """A path to copy and paste: relative to the working directory when below it, quoted for the shell."""
+    path = path.resolve()
+    if path.is_relative_to(Path.cwd().resolve()):
+        path = path.relative_to(Path.cwd().resolve())
+    return shlex.quote(str(path))
 
 
 def _strip_torchrun_values(argv: list[str]) -> list[str]:
