@@ -61,7 +61,7 @@ def _live_compare(runs: dict[str, Path], metric: str, align: str) -> None:
             x=alt.X("x:Q", title=ALIGN[align], axis=alt.Axis(format=",d", tickMinStep=1)),
             y=alt.Y("value:Q", title=None, scale=alt.Scale(zero=False)),
             color=alt.Color("run:N", scale=alt.Scale(scheme="category10"), legend=alt.Legend(orient="bottom")),  # distinct hues
-            tooltip=["run", "x", "value"],
+            tooltip=["run:N", "x:Q", "value:Q"],
         )
         .properties(height=420)
     )

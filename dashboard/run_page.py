@@ -10,6 +10,7 @@ The charts show the step range of the slider above them, every step of it when i
 from __future__ import annotations
 
 import sqlite3
+from dataclasses import dataclass
 from pathlib import Path
 
 import altair as alt
@@ -19,10 +20,19 @@ import streamlit as st
 from keel.dashboard.runs_page import REFRESH_S, run_folders
 from keel.dashboard.series import MARKER_COLOURS, METRICS, event_markers, metric_series, straggler_marks
 from keel.monitor.checkpoints import checkpoint_table, verify
-from keel.monitor.goodput import compute_goodput
+from keel.monitor.goodput import Goodput, compute_goodput
 from keel.monitor.run_dir import CONFIG_FILE, MANIFEST
 from keel.monitor.runs import find_runs
-from keel.monitor.store import abandoned_mask, read_attempt_starts, read_events, read_meta, read_rank_bins, read_steps, step_bounds
+from keel.monitor.store import (
+    abandoned_mask,
+    read_attempt_starts,
+    read_events,
+    read_meta,
+    read_rank_bins,
+    read_steps,
+    step_bounds,
+    store_version,
+)
 
 STEP_AXIS = alt.Axis(format=",d", tickMinStep=1)  # steps are whole numbers: never "1.0"
 HEATMAP_BINS = 120  # step columns of the rank x step heatmaps
@@ -81,29 +91,48 @@ def _range_from_url() -> tuple[int, int] | None:
     return (int(lo), int(hi)) if lo.isdigit() and hi.isdigit() else None
 
 
+@dataclass(frozen=True)
+class RunData:
+    """What the Run page draws of one step range, as read from the store (never modified once read)."""
+
+    every: pd.DataFrame  # every attempt's rows in the range
+    kept: pd.DataFrame  # the effective trajectory in the range
+    events: pd.DataFrame
+    ranks: pd.DataFrame  # read_rank_bins over the range
+    goodput: Goodput  # of the whole run
+
+
+# Shared by every session and refresh until the store changes (store_version): a finished run, or a run
+# several people watch, is read once rather than by each of them every few seconds. A few entries only:
+# a million-step range is about 100 MB.
+@st.cache_resource(max_entries=6, ttl=600, show_spinner=False)
+def read_run(run_dir: str, steps: tuple[int, int], bounds: tuple[int, int], version: tuple[int, ...]) -> RunData:
+    # One read of the range; the effective trajectory is the rows no later attempt abandoned.
+    every, events = read_steps(run_dir, steps=steps), read_events(run_dir)
+    kept = every[~abandoned_mask(every, read_attempt_starts(run_dir))]
+    goodput = compute_goodput(every if steps == bounds else read_steps(run_dir), events)
+    return RunData(every, kept, events, read_rank_bins(run_dir, HEATMAP_BINS, steps), goodput)
+
+
 @st.fragment(run_every=REFRESH_S)
 def _live_run(run_dir: Path) -> None:
     try:
-        bounds, events = step_bounds(run_dir), read_events(run_dir)
+        version, bounds = store_version(run_dir), step_bounds(run_dir)
         if bounds is None:
             st.info("No step recorded yet.")
             return
         steps = choose_step_range(*bounds)
-        # One read of the range; the effective trajectory is the rows no later attempt abandoned.
-        every = read_steps(run_dir, steps=steps)
-        kept = every[~abandoned_mask(every, read_attempt_starts(run_dir))]
-        ranks = read_rank_bins(run_dir, HEATMAP_BINS, steps)
-        goodput = compute_goodput(every if steps == bounds else read_steps(run_dir), events)
+        data = read_run(str(run_dir), steps, bounds, version)
     except (sqlite3.Error, FileNotFoundError) as e:
         st.warning(f"{run_dir}: cannot read its run store ({type(e).__name__}: {e}).")
         return
-    _metric_charts(every, kept, event_markers(events), steps)
-    _rank_charts(ranks, straggler_marks(events, steps), steps)
+    _metric_charts(data.every, data.kept, event_markers(data.events), steps)
+    _rank_charts(data.ranks, straggler_marks(data.events, steps), steps)
     left, right = st.columns([2, 3])
     with left:
-        _goodput_chart(goodput)
+        _goodput_chart(data.goodput)
     with right:
-        _checkpoints(run_dir, events)
+        _checkpoints(run_dir, data.events)
 
 
 def _metric_charts(every: pd.DataFrame, kept: pd.DataFrame, markers: pd.DataFrame, steps: tuple[int, int]) -> None:
@@ -141,7 +170,7 @@ def metric_chart(
             y=alt.Y("value:Q", title=None, scale=alt.Scale(zero=False)),
             color=alt.Color("segment:N", scale=alt.Scale(domain=segments, range=colours), title="trajectory", **show),
             strokeDash=alt.condition(alt.datum.segment == "effective", alt.value([1, 0]), alt.value([4, 3])),
-            tooltip=["segment", "step", "value"],
+            tooltip=["segment:N", "step:Q", "value:Q"],
         )
     )
     rules = (
@@ -150,7 +179,7 @@ def metric_chart(
         .encode(
             x=x,
             color=alt.Color("kind:N", title="event", scale=alt.Scale(domain=kinds, range=[MARKER_COLOURS[k] for k in kinds]), **show),
-            tooltip=["kind", "step", "attempt", "rank", "severity", "message"],
+            tooltip=["kind:N", "step:Q", "attempt:N", "rank:N", "severity:N", "message:N"],
         )
     )
     chart = alt.layer(rules, lines).resolve_scale(color="independent").properties(height=height)
@@ -172,7 +201,9 @@ def _rank_charts(ranks: pd.DataFrame, stragglers: pd.DataFrame, steps: tuple[int
         peak = ranks.groupby("rank", as_index=False).mem_peak_bytes.max()
         peak["GiB"] = peak.mem_peak_bytes.astype("float64") / 2**30
         bars = (
-            alt.Chart(peak, title="peak memory (GiB)").mark_bar().encode(y="rank:O", x=alt.X("GiB:Q", title=None), tooltip=["rank", "GiB"])
+            alt.Chart(peak, title="peak memory (GiB)")
+            .mark_bar()
+            .encode(y="rank:O", x=alt.X("GiB:Q", title=None), tooltip=["rank:O", "GiB:Q"])
         )
         st.altair_chart(bars.properties(height=_rank_rows(ranks)), key="rank-memory")
 
@@ -194,23 +225,23 @@ def rank_heatmap(ranks: pd.DataFrame, stragglers: pd.DataFrame, metric: str, tit
             x2="end_step:Q",
             y=alt.Y("rank:O"),
             color=alt.Color(f"{metric}:Q", title=None, scale=alt.Scale(scheme="viridis")),
-            tooltip=["rank", "first_step", "last_step", "step_time_s", "comm_time_s", "busy_time_s"],
+            tooltip=["rank:O", "first_step:Q", "last_step:Q", "step_time_s:Q", "comm_time_s:Q", "busy_time_s:Q"],
         )
     )
     rings = (
         alt.Chart(stragglers.assign(at=stragglers.step + 0.5))
         .mark_point(shape="circle", size=120, color="#ff2d2d", strokeWidth=2.5)
-        .encode(x="at:Q", y="rank:O", tooltip=["step", "rank", "message"])
+        .encode(x="at:Q", y="rank:O", tooltip=["step:Q", "rank:O", "message:N"])
     )
     return alt.layer(cells, rings).properties(height=_rank_rows(ranks))
 
 
-def _goodput_chart(goodput) -> None:
+def _goodput_chart(goodput: Goodput) -> None:
     st.subheader("Goodput")
     st.caption(f"{goodput.goodput:.1%} of {goodput.wall_s:,.0f} s of wall time went to steps that count.")
     parts = pd.DataFrame({"where": ["productive", *goodput.lost_s], "seconds": [goodput.productive_s, *goodput.lost_s.values()]})
     y = alt.Y("where:N", sort=None, title=None, axis=alt.Axis(labelOverlap=False))
-    bars = alt.Chart(parts, title="where the time went (s)").mark_bar().encode(y=y, x="seconds:Q", tooltip=["where", "seconds"])
+    bars = alt.Chart(parts, title="where the time went (s)").mark_bar().encode(y=y, x="seconds:Q", tooltip=["where:N", "seconds:Q"])
     st.altair_chart(bars.properties(height=alt.Step(24)), key="goodput")
 
 

@@ -264,6 +264,21 @@ def read_rank_steps(run_dir: str | Path) -> pd.DataFrame:
     return _read_table(run_dir, sql, _RANK_TYPES, _RANK_KEY)
 
 
+def store_version(run_dir: str | Path) -> tuple[int, ...]:
+    """A key that changes whenever a writer commits: the size and modification time of the store and of
+    its write-ahead log. Readers that cache what they read key it on this."""
+    path = Path(run_dir) / STORE_FILE
+    version = []
+    for file in (path, path.with_name(f"{STORE_FILE}-wal")):
+        try:
+            stat = file.stat()
+        except FileNotFoundError:
+            stat = None
+        # An empty log is no log: readers create one on opening and remove it on closing.
+        version += [stat.st_size, stat.st_mtime_ns] if stat and stat.st_size else [0, 0]
+    return tuple(version)
+
+
 def step_bounds(run_dir: str | Path) -> tuple[int, int] | None:
     """The first and last step recorded (any attempt), or None before the first step."""
     first, last = _query(run_dir, "SELECT MIN(step), MAX(step) FROM steps").iloc[0]

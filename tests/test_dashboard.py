@@ -20,9 +20,10 @@ from streamlit.testing.v1 import AppTest
 
 from keel.dashboard.actions import ACTIONS_ENV, ActionRefused, inject_fault, start_drill
 from keel.dashboard.launch import actions_state
+from keel.dashboard.run_page import read_run
 from keel.dashboard.runs_page import RUNS_ENV
 from keel.dashboard.series import MARKER_KINDS, METRICS
-from keel.monitor.store import read_events, read_steps
+from keel.monitor.store import RunStore, read_events, read_steps
 
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
 
@@ -312,3 +313,21 @@ def test_compare_page_overlays_runs_by_tokens(spike_run, reference_dir, tmp_path
         shown = series[series.run == name].sort_values("x")
         assert shown.x.tolist() == kept.tokens.cumsum().astype(float).tolist()  # under 1,000 steps: every one
         assert shown.value.tolist() == kept.grad_norm.tolist()
+
+
+def test_run_page_reads_a_store_again_when_it_changes_and_not_before(tmp_path, monkeypatch):
+    run_dir = tmp_path / "growing"
+    with RunStore(run_dir) as store:
+        for step in (1, 2, 3):
+            store.write_step({"step": step, "attempt": 0, "loss": 4.0 - step / 10, "time": 1.7e9 + step})
+    app = _run_page(tmp_path, "growing", monkeypatch)
+    assert app.caption[0].value.startswith("Steps 1 to 3:")
+    read_run.clear()  # the cache is per process: count the reads of the next two refreshes
+    with RunStore(run_dir) as store:
+        store.write_step({"step": 4, "attempt": 0, "loss": 3.5, "time": 1.7e9 + 4})
+    reads = []
+    monkeypatch.setattr("keel.dashboard.run_page.read_events", lambda d: reads.append(d) or read_events(d))
+    app.run()
+    assert app.caption[0].value.startswith("Steps 1 to 4:") and len(reads) == 1
+    app.run()  # nothing written since: served from the cache
+    assert app.caption[0].value.startswith("Steps 1 to 4:") and len(reads) == 1

@@ -1,0 +1,199 @@
+"""How fast the dashboard's Run page is on long runs: synthetic run stores of 100k steps x 8 ranks and
+1M steps x 8 ranks (with a rollback, checkpoints, spikes, stragglers and alerts), served by the real
+`keel dashboard` and opened in Debian's chromium.
+
+Per store, measured from outside the code under test and repeated in ABBA order (100k, 1M, 1M, 100k):
+- page: from navigation to the Run page rendered in the browser (its step caption shown and all 13
+  charts drawn), once just after the store changed (as a live run's does at every step: everything is
+  read again) and once more unchanged (a finished run: the dashboard's cache serves the reads);
+- refresh: the server's time for one run of the Run page script (what each live refresh costs), the
+  same two ways, timed around Streamlit's AppTest.
+
+    python bench/dashboard_load.py                 # 2 ABBA rounds; target: page under 2 s at 100k x 8
+    python bench/dashboard_load.py --rounds 1 --sizes 100000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from keel.monitor.run_dir import STORE_FILE
+from keel.monitor.store import RANK_COLUMNS, STEP_COLUMNS, RunStore
+
+RANKS = 8
+TARGET_PAGE_S = {100_000: 2.0}  # the issue's target; 1M x 8 is reported
+CHUNK = 50_000
+
+
+def make_store(run_dir: Path, steps: int, seed: int = 0) -> None:
+    """A run of `steps` steps on RANKS ranks: a decaying noisy loss with a spike every 50k steps, a
+    rollback that reran the last 2% once (attempt 1), events every 1,000 steps."""
+    rng = np.random.default_rng(seed)
+    RunStore(run_dir).close()  # the schema, exactly as the trainer makes it
+    conn = sqlite3.connect(run_dir / STORE_FILE)
+    rerun_from = steps - steps // 50
+    with conn:
+        for attempt, (first, last) in enumerate([(1, steps), (rerun_from, steps)]):
+            for lo in range(first, last + 1, CHUNK):
+                step = np.arange(lo, min(lo + CHUNK, last + 1))
+                _insert_steps(conn, rng, step, attempt)
+        events = []
+        for s in range(1000, steps + 1, 1000):
+            saved = json.dumps({"path": f"checkpoints/step-{s:08d}", "blocking_s": 0.012, "total_s": 2.5})
+            events.append((s, 0, None, "checkpoint_saved", "info", f"step-{s:08d}: blocked 12 ms, written in 2.50 s", saved))
+            if s % 50_000 == 0:
+                events.append((s, 0, None, "spike", "critical", f"loss spike at step {s}", "{}"))
+                events.append((s, 0, None, "alert", "critical", "KeelLossSpike", "{}"))
+            if s % 7000 == 0:
+                events.append((s, 0, 5, "straggler", "warning", "rank 5 is a straggler", "{}"))
+        events.append((rerun_from, 1, None, "rollback", "critical", f"rolled back to step {rerun_from - 1}", "{}"))
+        conn.executemany(
+            "INSERT INTO events (time, step, attempt, rank, kind, severity, message, data) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [(1.7e9 + e[0], *e) for e in events],
+        )
+    conn.close()
+
+
+def _insert_steps(conn: sqlite3.Connection, rng: np.random.Generator, step: np.ndarray, attempt: int) -> None:
+    n = len(step)
+    loss = 2.0 + 3.0 * np.exp(-step / 20_000) + rng.normal(0, 0.05, n)
+    loss[step % 50_000 == 0] += 4.0
+    step_time = 0.25 + rng.gamma(2.0, 0.01, n)
+    values = {
+        "step": step, "attempt": np.full(n, attempt), "time": 1.7e9 + step * 0.3, "loss": loss,
+        "grad_norm": 1.0 + rng.gamma(2.0, 0.2, n), "lr": np.full(n, 3e-4), "tokens": np.full(n, 65536),
+        "tokens_per_s": 65536 / step_time, "mfu": np.full(n, 0.41), "comm_share": rng.uniform(0.1, 0.3, n),
+        "step_time_s": step_time, "data_time_s": rng.uniform(0.001, 0.01, n), "mem_peak_bytes": np.full(n, 40 * 2**30),
+        "skipped": np.zeros(n, dtype=int),
+    }  # fmt: skip
+    rows = np.column_stack([values[c].astype(object) for c in STEP_COLUMNS]).tolist()
+    conn.executemany(f"INSERT INTO steps ({', '.join(STEP_COLUMNS)}) VALUES ({', '.join('?' * len(STEP_COLUMNS))})", rows)
+    rank = np.repeat(np.arange(RANKS)[None, :], n, axis=0).ravel()
+    per_rank = {
+        "step": np.repeat(step, RANKS), "attempt": np.full(n * RANKS, attempt), "rank": rank,
+        "step_time_s": np.repeat(step_time, RANKS), "comm_time_s": rng.uniform(0.02, 0.08, n * RANKS) + 0.05 * (rank == 5),
+        "data_time_s": rng.uniform(0.001, 0.01, n * RANKS), "mem_peak_bytes": np.full(n * RANKS, 40 * 2**30) + rank * 2**28,
+    }  # fmt: skip
+    rows = np.column_stack([per_rank[c].astype(object) for c in RANK_COLUMNS]).tolist()
+    conn.executemany(f"INSERT INTO rank_steps ({', '.join(RANK_COLUMNS)}) VALUES ({', '.join('?' * len(RANK_COLUMNS))})", rows)
+
+
+def serve(folder: Path, port: int) -> subprocess.Popen:
+    server = subprocess.Popen([sys.executable, "-m", "keel.cli", "dashboard", str(folder), f"--port={port}", "--read-only"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2).read() == b"ok":
+                return server
+        except OSError:
+            time.sleep(0.3)
+    server.terminate()
+    raise RuntimeError("the dashboard did not come up within 90 s")
+
+
+def page_seconds(browser, url: str, steps: int) -> float:
+    """Navigation to a Run page showing all `steps` steps with every chart drawn (13: nine metrics, two
+    heatmaps, memory and goodput)."""
+    page = browser.new_page(viewport={"width": 1500, "height": 1200})
+    start = time.perf_counter()
+    page.goto(url)
+    page.get_by_text(re.compile(rf"^Steps 1 to {steps:,}:")).first.wait_for(timeout=120_000)
+    page.wait_for_function("document.querySelectorAll(\"[data-testid='stVegaLiteChart'] svg.marks\").length >= 13", timeout=120_000)
+    elapsed = time.perf_counter() - start
+    page.close()
+    return elapsed
+
+
+def refresh_seconds(folder: Path, run: str) -> tuple[float, float]:
+    """One run of the Run page script on the server side (AppTest), after a first run warmed it up:
+    with the store changed since the last read (a live run: everything is read again) and unchanged
+    (a finished run: the reads come from the dashboard's cache)."""
+    from streamlit.testing.v1 import AppTest
+
+    from keel.dashboard.run_page import read_run
+
+    os.environ["KEEL_DASHBOARD_RUNS"] = str(folder)
+    app = AppTest.from_string("from keel.dashboard.run_page import render_run\nrender_run()", default_timeout=300)
+    app.query_params["run"] = run
+    app.run()
+    read_run.clear()
+    start = time.perf_counter()
+    app.run()
+    changed = time.perf_counter() - start
+    start = time.perf_counter()
+    app.run()
+    return changed, time.perf_counter() - start
+
+
+def touch(store: Path) -> None:
+    """Marks the store changed, as a live trainer's commit does: the dashboard reads it all again."""
+    os.utime(store, ns=(time.time_ns(), time.time_ns()))
+
+
+FIGURES = ("page, store changed", "page, unchanged", "refresh, store changed", "refresh, unchanged")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000], help="steps per store (8 ranks each)")
+    p.add_argument("--rounds", type=int, default=2, help="ABBA rounds (each size measured twice per round)")
+    opts = p.parse_args()
+    from playwright.sync_api import sync_playwright
+
+    with tempfile.TemporaryDirectory(prefix="keel-dashboard-load-") as tmp:
+        folder = Path(tmp)
+        for steps in opts.sizes:
+            start = time.perf_counter()
+            make_store(folder / f"run-{steps}", steps)
+            print(f"store of {steps:,} steps x {RANKS} ranks written in {time.perf_counter() - start:.0f} s "
+                  f"({(folder / f'run-{steps}' / STORE_FILE).stat().st_size / 2**20:,.0f} MiB)", flush=True)  # fmt: skip
+        server = serve(folder, port=8765)
+        seconds = {s: {f: [] for f in FIGURES} for s in opts.sizes}
+        try:
+            with sync_playwright() as pw:
+                browser = pw.chromium.launch(
+                    executable_path=shutil.which("chromium"), args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+                )
+                order = opts.sizes + opts.sizes[::-1]  # ABBA
+                for _ in range(opts.rounds):
+                    for steps in order:
+                        run, url = f"run-{steps}", f"http://127.0.0.1:8765/run?run=run-{steps}"
+                        touch(folder / run / STORE_FILE)
+                        got = [page_seconds(browser, url, steps), page_seconds(browser, url, steps), *refresh_seconds(folder, run)]
+                        for figure, value in zip(FIGURES, got):
+                            seconds[steps][figure].append(value)
+                        print(f"  {steps:>9,} steps: " + ", ".join(f"{f} {v:.2f} s" for f, v in zip(FIGURES, got)), flush=True)
+                browser.close()
+        finally:
+            server.terminate()
+            server.wait()
+    print(f"\n{'store':>19} | {'figure':<22} | {'median (min-max)':>20} | target")
+    for steps in opts.sizes:
+        for figure in FIGURES:
+            xs = seconds[steps][figure]
+            target = TARGET_PAGE_S.get(steps) if figure.startswith("page") else None
+            verdict = f"< {target:g} s: {'met' if statistics.median(xs) < target else 'MISSED'}" if target else "reported"
+            print(f"{steps:>9,} x {RANKS} ranks | {figure:<22} | {_spread(xs):>20} | {verdict}")
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f} s ({min(xs):.2f}-{max(xs):.2f})"
+
+
+if __name__ == "__main__":
+    main()
