@@ -18,7 +18,7 @@ import pandas as pd
 import streamlit as st
 
 from keel.dashboard.runs_page import REFRESH_S, run_folders
-from keel.dashboard.series import MARKER_COLOURS, METRICS, event_markers, metric_series, straggler_marks
+from keel.dashboard.series import MARKER_COLOURS, METRICS, event_markers, metric_series, segments, straggler_marks
 from keel.monitor.checkpoints import checkpoint_table, verify
 from keel.monitor.goodput import Goodput, compute_goodput
 from keel.monitor.run_dir import CONFIG_FILE, MANIFEST
@@ -95,8 +95,7 @@ def _range_from_url() -> tuple[int, int] | None:
 class RunData:
     """What the Run page draws of one step range, as read from the store (never modified once read)."""
 
-    every: pd.DataFrame  # every attempt's rows in the range
-    kept: pd.DataFrame  # the effective trajectory in the range
+    rows: pd.DataFrame  # every attempt's rows in the range, each with its line (series.segments)
     events: pd.DataFrame
     ranks: pd.DataFrame  # read_rank_bins over the range
     goodput: Goodput  # of the whole run
@@ -109,9 +108,9 @@ class RunData:
 def read_run(run_dir: str, steps: tuple[int, int], bounds: tuple[int, int], version: tuple[int, ...]) -> RunData:
     # One read of the range; the effective trajectory is the rows no later attempt abandoned.
     every, events = read_steps(run_dir, steps=steps), read_events(run_dir)
-    kept = every[~abandoned_mask(every, read_attempt_starts(run_dir))]
+    rows = every.assign(segment=segments(every, abandoned_mask(every, read_attempt_starts(run_dir))))
     goodput = compute_goodput(every if steps == bounds else read_steps(run_dir), events)
-    return RunData(every, kept, events, read_rank_bins(run_dir, HEATMAP_BINS, steps), goodput)
+    return RunData(rows, events, read_rank_bins(run_dir, HEATMAP_BINS, steps), goodput)
 
 
 @st.fragment(run_every=REFRESH_S)
@@ -126,7 +125,7 @@ def _live_run(run_dir: Path) -> None:
     except (sqlite3.Error, FileNotFoundError) as e:
         st.warning(f"{run_dir}: cannot read its run store ({type(e).__name__}: {e}).")
         return
-    _metric_charts(data.every, data.kept, event_markers(data.events), steps)
+    _metric_charts(data.rows, event_markers(data.events), steps)
     _rank_charts(data.ranks, straggler_marks(data.events, steps), steps)
     left, right = st.columns([2, 3])
     with left:
@@ -135,17 +134,18 @@ def _live_run(run_dir: Path) -> None:
         _checkpoints(run_dir, data.events)
 
 
-def _metric_charts(every: pd.DataFrame, kept: pd.DataFrame, markers: pd.DataFrame, steps: tuple[int, int]) -> None:
+def _metric_charts(rows: pd.DataFrame, markers: pd.DataFrame, steps: tuple[int, int]) -> None:
     shown = markers[markers.step.between(*steps)]
-    st.caption(f"Steps {steps[0]:,} to {steps[1]:,}: {len(kept):,} in effect, {len(every) - len(kept):,} abandoned by rollbacks "
+    effective = int((rows.segment == "effective").sum())
+    st.caption(f"Steps {steps[0]:,} to {steps[1]:,}: {effective:,} in effect, {len(rows) - effective:,} abandoned by rollbacks "
                f"or restarts, {len(shown)} events marked; refreshed every {REFRESH_S:g} s.")  # fmt: skip
     # The loss at full width with the legends; the other metrics below, small, sharing its colours.
-    loss = metric_series(every, kept, "loss", grid=steps)
+    loss = metric_series(rows, "loss", grid=steps)
     st.altair_chart(metric_chart(loss, shown, METRICS["loss"], steps, 300, legend=True), key="chart-loss")
     columns = st.columns(3)
     for i, (metric, title) in enumerate((m, t) for m, t in METRICS.items() if m != "loss"):
         with columns[i % 3]:
-            series = metric_series(every, kept, metric, grid=steps)
+            series = metric_series(rows, metric, grid=steps)
             st.altair_chart(metric_chart(series, shown, title, steps, 180, legend=False), key=f"chart-{metric}")
 
 

@@ -28,27 +28,19 @@ METRICS = {
 BUCKETS = 1000  # pixel columns of a chart: M4 keeps at most 4 points each
 
 
-def abandoned_rows(every: pd.DataFrame, kept: pd.DataFrame) -> pd.DataFrame:
-    """The rows of `every` attempt that are not in the effective trajectory: the steps a rollback or a
-    restart threw away, each attempt's rows one segment (column `segment`)."""
-    merged = every.merge(kept[["step", "attempt"]], on=["step", "attempt"], how="left", indicator=True)
-    dropped = merged[merged["_merge"] == "left_only"].drop(columns="_merge")
-    return dropped.assign(segment="attempt " + dropped.attempt.astype(str)).reset_index(drop=True)
+def segments(every: pd.DataFrame, abandoned: pd.Series) -> pd.Series:
+    """Each row's line on the charts: "effective", or "attempt N" for the rows a rollback or a restart
+    threw away (`abandoned`, from keel.monitor.store.abandoned_mask), one line per attempt."""
+    return ("attempt " + every.attempt.astype(str)).where(abandoned, "effective")
 
 
-def metric_series(every: pd.DataFrame, kept: pd.DataFrame, metric: str, grid: tuple[float, float] | None = None,
-                  buckets: int = BUCKETS) -> pd.DataFrame:  # fmt: skip
-    """One metric ready to draw: columns step, value, segment ("effective" or "attempt N"), each segment
-    downsampled on one shared grid (the chart's step range; by default the steps given) and never joined
-    to another (a line is drawn per segment)."""
-    if grid is None:
-        steps = pd.concat([every.step, kept.step])
-        grid = (float(steps.min()), float(steps.max())) if len(steps) else None
-    parts = [kept.assign(segment="effective"), *(rows for _, rows in abandoned_rows(every, kept).groupby("attempt"))]
-    frames = []
-    for part in parts:
-        shown = part[["step", metric, "segment"]].dropna(subset=[metric])
-        frames.append(m4(shown.sort_values("step"), "step", metric, buckets, grid).rename(columns={metric: "value"}))
+def metric_series(rows: pd.DataFrame, metric: str, grid: tuple[float, float], buckets: int = BUCKETS) -> pd.DataFrame:
+    """One metric ready to draw from step rows with a `segment` column (see segments): columns step,
+    value, segment, each segment downsampled on the chart's grid and never joined to another (a line is
+    drawn per segment)."""
+    shown = rows[["step", metric, "segment"]].dropna(subset=[metric])
+    frames = [m4(part, "step", metric, buckets, grid) for _, part in shown.groupby("segment", sort=False)]  # rows come sorted by step
+    frames = [f.rename(columns={metric: "value"}) for f in frames]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["step", "value", "segment"])
 
 
