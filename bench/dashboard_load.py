@@ -6,6 +6,8 @@ Per store, measured from outside the code under test and repeated in ABBA order 
 - page: from navigation to the Run page rendered in the browser (its step caption shown and all 13
   charts drawn), once just after the store changed (as a live run's does at every step: everything is
   read again) and once more unchanged (a finished run: the dashboard's cache serves the reads);
+- floor: the same browser time for a page of 13 one-point charts served by bare Streamlit (what Streamlit
+  and Vega cost on this machine before Keel draws anything), measured in the same rounds;
 - refresh: the server's time for one run of the Run page script (what each live refresh costs), the
   same two ways, timed around Streamlit's AppTest.
 
@@ -92,9 +94,31 @@ def _insert_steps(conn: sqlite3.Connection, rng: np.random.Generator, step: np.n
     conn.executemany(f"INSERT INTO rank_steps ({', '.join(RANK_COLUMNS)}) VALUES ({', '.join('?' * len(RANK_COLUMNS))})", rows)
 
 
+FLOOR_APP = """
+import streamlit as st
+st.set_page_config(layout="wide")
+st.caption("Steps 1 to 1:")
+for i in range(13):
+    st.vega_lite_chart({"data": {"values": [{"x": 0, "y": 0}]}, "mark": "line", "encoding": {
+        "x": {"field": "x", "type": "quantitative"}, "y": {"field": "y", "type": "quantitative"}}}, key=f"c{i}")
+"""
+
+
 def serve(folder: Path, port: int) -> subprocess.Popen:
     server = subprocess.Popen([sys.executable, "-m", "keel.cli", "dashboard", str(folder), f"--port={port}", "--read-only"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    return _healthy(server, port)
+
+
+def serve_floor(folder: Path, port: int) -> subprocess.Popen:
+    (folder / "floor.py").write_text(FLOOR_APP)
+    server = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(folder / "floor.py"), f"--server.port={port}",
+                               "--server.address=127.0.0.1", "--server.headless=true", "--browser.gatherUsageStats=false"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    return _healthy(server, port)
+
+
+def _healthy(server: subprocess.Popen, port: int) -> subprocess.Popen:
     deadline = time.time() + 90
     while time.time() < deadline:
         try:
@@ -103,7 +127,7 @@ def serve(folder: Path, port: int) -> subprocess.Popen:
         except OSError:
             time.sleep(0.3)
     server.terminate()
-    raise RuntimeError("the dashboard did not come up within 90 s")
+    raise RuntimeError(f"the server on port {port} did not come up within 90 s")
 
 
 def page_seconds(browser, url: str, steps: int) -> float:
@@ -113,7 +137,7 @@ def page_seconds(browser, url: str, steps: int) -> float:
     start = time.perf_counter()
     page.goto(url)
     page.get_by_text(re.compile(rf"^Steps 1 to {steps:,}:")).first.wait_for(timeout=120_000)
-    page.wait_for_function("document.querySelectorAll(\"[data-testid='stVegaLiteChart'] svg.marks\").length >= 13", timeout=120_000)
+    page.wait_for_function("document.querySelectorAll(\"[data-testid='stVegaLiteChart'] .marks\").length >= 13", timeout=120_000)
     elapsed = time.perf_counter() - start
     page.close()
     return elapsed
@@ -145,7 +169,7 @@ def touch(store: Path) -> None:
     os.utime(store, ns=(time.time_ns(), time.time_ns()))
 
 
-FIGURES = ("page, store changed", "page, unchanged", "refresh, store changed", "refresh, unchanged")
+FIGURES = ("page, store changed", "page, unchanged", "floor: bare Streamlit", "refresh, store changed", "refresh, unchanged")
 
 
 def main() -> None:
@@ -162,7 +186,7 @@ def main() -> None:
             make_store(folder / f"run-{steps}", steps)
             print(f"store of {steps:,} steps x {RANKS} ranks written in {time.perf_counter() - start:.0f} s "
                   f"({(folder / f'run-{steps}' / STORE_FILE).stat().st_size / 2**20:,.0f} MiB)", flush=True)  # fmt: skip
-        server = serve(folder, port=8765)
+        server, floor = serve(folder, port=8765), serve_floor(folder, port=8766)
         seconds = {s: {f: [] for f in FIGURES} for s in opts.sizes}
         try:
             with sync_playwright() as pw:
@@ -174,14 +198,16 @@ def main() -> None:
                     for steps in order:
                         run, url = f"run-{steps}", f"http://127.0.0.1:8765/run?run=run-{steps}"
                         touch(folder / run / STORE_FILE)
-                        got = [page_seconds(browser, url, steps), page_seconds(browser, url, steps), *refresh_seconds(folder, run)]
+                        pages = [page_seconds(browser, url, steps), page_seconds(browser, url, steps)]
+                        got = [*pages, page_seconds(browser, "http://127.0.0.1:8766/", 1), *refresh_seconds(folder, run)]
                         for figure, value in zip(FIGURES, got):
                             seconds[steps][figure].append(value)
                         print(f"  {steps:>9,} steps: " + ", ".join(f"{f} {v:.2f} s" for f, v in zip(FIGURES, got)), flush=True)
                 browser.close()
         finally:
-            server.terminate()
-            server.wait()
+            for started in (server, floor):
+                started.terminate()
+                started.wait()
     print(f"\n{'store':>19} | {'figure':<22} | {'median (min-max)':>20} | target")
     for steps in opts.sizes:
         for figure in FIGURES:

@@ -13,10 +13,10 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-import altair as alt
 import pandas as pd
 import streamlit as st
 
+from keel.dashboard.charts import bar_chart, metric_chart, rank_heatmap
 from keel.dashboard.runs_page import REFRESH_S, run_folders
 from keel.dashboard.series import MARKER_COLOURS, METRICS, event_markers, metric_series, segments, straggler_marks
 from keel.monitor.checkpoints import checkpoint_table, verify
@@ -34,7 +34,9 @@ from keel.monitor.store import (
     store_version,
 )
 
-STEP_AXIS = alt.Axis(format=",d", tickMinStep=1)  # steps are whole numbers: never "1.0"
+# The small charts are a third of the page wide: 400 M4 columns still keep every pixel column's extremes
+# there, and the browser's time to draw the page grows with the points sent (about 30 us each).
+SMALL_CHART_BUCKETS = 400
 HEATMAP_BINS = 120  # step columns of the rank x step heatmaps
 RANGE_KEY = "steps"  # the slider's state key and the URL parameter (?steps=LO-HI)
 _NEWEST_KEY = "newest-step"
@@ -141,49 +143,13 @@ def _metric_charts(rows: pd.DataFrame, markers: pd.DataFrame, steps: tuple[int, 
                f"or restarts, {len(shown)} events marked; refreshed every {REFRESH_S:g} s.")  # fmt: skip
     # The loss at full width with the legends; the other metrics below, small, sharing its colours.
     loss = metric_series(rows, "loss", grid=steps)
-    st.altair_chart(metric_chart(loss, shown, METRICS["loss"], steps, 300, legend=True), key="chart-loss")
+    st.vega_lite_chart(spec=metric_chart(loss, shown, METRICS["loss"], steps, MARKER_COLOURS, 300, legend=True), key="chart-loss")
     columns = st.columns(3)
     for i, (metric, title) in enumerate((m, t) for m, t in METRICS.items() if m != "loss"):
         with columns[i % 3]:
-            series = metric_series(rows, metric, grid=steps)
-            st.altair_chart(metric_chart(series, shown, title, steps, 180, legend=False), key=f"chart-{metric}")
-
-
-ABANDONED_COLOURS = ["#d62728", "#ff7f0e", "#8c564b", "#e377c2"]  # one per abandoned attempt, cycled
-
-
-def metric_chart(
-    series: pd.DataFrame, markers: pd.DataFrame, title: str, steps: tuple[int, int], height: int, legend: bool
-) -> alt.LayerChart:
-    """Lines per segment (the effective trajectory solid blue, each abandoned attempt dashed in a warm
-    colour, never joined) under a rule per event, coloured by kind, with the event's message on hover."""
-    segments = ["effective", *sorted(set(series.segment) - {"effective"})]
-    colours = ["#1f77b4", *(ABANDONED_COLOURS[i % len(ABANDONED_COLOURS)] for i in range(len(segments) - 1))]
-    show = {} if legend else {"legend": None}
-    kinds = [k for k in MARKER_COLOURS if k in set(markers.kind)] or list(MARKER_COLOURS)  # the legend lists those present
-    x = alt.X("step:Q", title="step", scale=alt.Scale(domain=list(steps), nice=False), axis=STEP_AXIS)
-    lines = (
-        alt.Chart(series, title=title)
-        .mark_line(strokeWidth=1.5, clip=True)
-        .encode(
-            x=x,
-            y=alt.Y("value:Q", title=None, scale=alt.Scale(zero=False)),
-            color=alt.Color("segment:N", scale=alt.Scale(domain=segments, range=colours), title="trajectory", **show),
-            strokeDash=alt.condition(alt.datum.segment == "effective", alt.value([1, 0]), alt.value([4, 3])),
-            tooltip=["segment:N", "step:Q", "value:Q"],
-        )
-    )
-    rules = (
-        alt.Chart(markers)
-        .mark_rule(opacity=0.7)
-        .encode(
-            x=x,
-            color=alt.Color("kind:N", title="event", scale=alt.Scale(domain=kinds, range=[MARKER_COLOURS[k] for k in kinds]), **show),
-            tooltip=["kind:N", "step:Q", "attempt:N", "rank:N", "severity:N", "message:N"],
-        )
-    )
-    chart = alt.layer(rules, lines).resolve_scale(color="independent").properties(height=height)
-    return chart.configure_legend(orient="bottom", columns=8) if legend else chart
+            series = metric_series(rows, metric, grid=steps, buckets=SMALL_CHART_BUCKETS)
+            chart = metric_chart(series, shown, title, steps, MARKER_COLOURS, 180, legend=False)
+            st.vega_lite_chart(spec=chart, key=f"chart-{metric}")
 
 
 def _rank_charts(ranks: pd.DataFrame, stragglers: pd.DataFrame, steps: tuple[int, int]) -> None:
@@ -196,53 +162,25 @@ def _rank_charts(ranks: pd.DataFrame, stragglers: pd.DataFrame, steps: tuple[int
     heat, memory = st.columns([4, 1])
     with heat:
         for metric, title in (("step_time_s", "step time (s)"), ("comm_time_s", "communication time (s)")):
-            st.altair_chart(rank_heatmap(ranks, stragglers, metric, title, steps), key=f"heatmap-{metric}")
+            st.vega_lite_chart(spec=rank_heatmap(ranks, stragglers, metric, title, steps, _rank_rows(ranks)), key=f"heatmap-{metric}")
     with memory:
         peak = ranks.groupby("rank", as_index=False).mem_peak_bytes.max()
         peak["GiB"] = peak.mem_peak_bytes.astype("float64") / 2**30
-        bars = (
-            alt.Chart(peak, title="peak memory (GiB)")
-            .mark_bar()
-            .encode(y="rank:O", x=alt.X("GiB:Q", title=None), tooltip=["rank:O", "GiB:Q"])
-        )
-        st.altair_chart(bars.properties(height=_rank_rows(ranks)), key="rank-memory")
+        bars = bar_chart(peak, "rank", "ordinal", "GiB", "peak memory (GiB)", _rank_rows(ranks))
+        st.vega_lite_chart(spec=bars, key="rank-memory")
 
 
-def _rank_rows(ranks: pd.DataFrame) -> alt.Step:
+def _rank_rows(ranks: pd.DataFrame) -> int:
     """Each rank's row height: 20 px, smaller for many ranks so that the heatmap stays on a screen.
     Sized by step, not by a total height: Vega-Lite fitted to a total squeezes the rows to nothing."""
-    return alt.Step(max(4, min(20, 480 // ranks["rank"].nunique())))
-
-
-def rank_heatmap(ranks: pd.DataFrame, stragglers: pd.DataFrame, metric: str, title: str, steps: tuple[int, int]) -> alt.LayerChart:
-    """One cell per rank and step range, coloured by the mean of `metric`; straggler events ringed."""
-    x = alt.X("first_step:Q", title="step", scale=alt.Scale(domain=[steps[0], steps[1] + 1], nice=False), axis=STEP_AXIS)
-    cells = (
-        alt.Chart(ranks.assign(end_step=ranks.last_step + 1), title=title)
-        .mark_rect()
-        .encode(
-            x=x,
-            x2="end_step:Q",
-            y=alt.Y("rank:O"),
-            color=alt.Color(f"{metric}:Q", title=None, scale=alt.Scale(scheme="viridis")),
-            tooltip=["rank:O", "first_step:Q", "last_step:Q", "step_time_s:Q", "comm_time_s:Q", "busy_time_s:Q"],
-        )
-    )
-    rings = (
-        alt.Chart(stragglers.assign(at=stragglers.step + 0.5))
-        .mark_point(shape="circle", size=120, color="#ff2d2d", strokeWidth=2.5)
-        .encode(x="at:Q", y="rank:O", tooltip=["step:Q", "rank:O", "message:N"])
-    )
-    return alt.layer(cells, rings).properties(height=_rank_rows(ranks))
+    return max(4, min(20, 480 // ranks["rank"].nunique()))
 
 
 def _goodput_chart(goodput: Goodput) -> None:
     st.subheader("Goodput")
     st.caption(f"{goodput.goodput:.1%} of {goodput.wall_s:,.0f} s of wall time went to steps that count.")
     parts = pd.DataFrame({"where": ["productive", *goodput.lost_s], "seconds": [goodput.productive_s, *goodput.lost_s.values()]})
-    y = alt.Y("where:N", sort=None, title=None, axis=alt.Axis(labelOverlap=False))
-    bars = alt.Chart(parts, title="where the time went (s)").mark_bar().encode(y=y, x="seconds:Q", tooltip=["where:N", "seconds:Q"])
-    st.altair_chart(bars.properties(height=alt.Step(24)), key="goodput")
+    st.vega_lite_chart(spec=bar_chart(parts, "where", "nominal", "seconds", "where the time went (s)", 24), key="goodput")
 
 
 @st.cache_data(max_entries=1024, show_spinner=False)
