@@ -98,6 +98,8 @@ def compare_losses(run: pd.DataFrame, reference: pd.DataFrame, rtol: float) -> t
     a, b = run.loss.to_numpy(float), reference.loss.to_numpy(float)
     if not np.isfinite(a).all():
         return math.inf, f"non-finite loss kept at step {int(run.step[~np.isfinite(a)].iloc[0])}"
+    if not np.isfinite(b).all():  # NaN > rtol is False: a broken reference would pass every comparison
+        return math.inf, f"the reference's loss is not finite at step {int(reference.step[~np.isfinite(b)].iloc[0])}"
     rel = np.abs(a - b) / np.maximum(np.abs(b), 1e-12)
     worst = float(rel.max()) if len(rel) else 0.0
     if worst > rtol:

@@ -2,6 +2,7 @@
 
     RUN_DIR/
         run.sqlite                   the run store (keel.monitor.store)
+        owner.lock                   held by the live trainer's rank 0 (keel.monitor.run_lock)
         config.toml                  the resolved config, secrets redacted; `keel train --resume` reads it
         logs/rank-<R>.log            each rank's log
         dumps/                       hang and stall dumps (keel.trainer.watchdog), NCCL flight-recorder traces
@@ -22,6 +23,7 @@ import re
 from pathlib import Path
 
 STORE_FILE = "run.sqlite"
+LOCK_FILE = "owner.lock"
 CONFIG_FILE = "config.toml"
 LOG_DIR = "logs"
 DUMP_DIR = "dumps"

@@ -88,6 +88,7 @@ _INSERT_EVENT = _insert_sql("events", _EVENT_COLUMNS)
 _INSERT_META = _insert_sql("meta", ("key", "value"))
 
 # A writer waits this long for another writer (another rank writing an event) before giving up.
+_LEAVE_WAL_WAIT_MS = 1000  # how long closing waits for a reader to finish before it leaves WAL mode
 _BUSY_TIMEOUT_S = 10.0
 
 
@@ -173,7 +174,17 @@ class RunStore:
             self._conn.execute(_INSERT_META, (key, encoded))
 
     def close(self) -> None:
-        self._conn.close()
+        """Closes the writer, leaving WAL mode first: a finished store is then one self-contained file.
+        Readers open the store read-only, and a read-only connection can neither check a WAL back into the
+        database nor delete it, so each read of a store still in WAL mode would leave run.sqlite-wal and
+        -shm behind. If a reader is connected just now the store stays in WAL mode (it is read the same)."""
+        with self._lock:
+            try:
+                self._conn.execute(f"PRAGMA busy_timeout={_LEAVE_WAL_WAIT_MS}")
+                self._conn.execute("PRAGMA journal_mode=DELETE")
+            except sqlite3.OperationalError:
+                pass
+            self._conn.close()
 
     def __enter__(self) -> RunStore:
         return self

@@ -49,6 +49,8 @@ CASES = {
     "zero watchdog floor": (["--watchdog.floor_s=0"], ["watchdog.floor_s=0", "positive"]),
     "backwards skip range": (["--data.skip_batches=90:80"], ["data.skip_batches", "'90:80'", "FIRST < END"]),
     "straggler min samples": (["--stragglers.min_samples=9"], ["stragglers.min_samples=9", "stragglers.window=5"]),
+    "negative grad clip": (["--optim.grad_clip=-1"], ["optim.grad_clip=-1.0", "0 (no clipping)"]),
+    "beta at 1": (["--optim.beta2=1"], ["optim.beta2=1.0", "[0, 1)"]),
     "resume without a run": (["--resume", "no/such/run"], ["--resume no/such/run", "no config.toml"]),
 }
 

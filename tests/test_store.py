@@ -126,6 +126,16 @@ def test_effective_steps_drop_an_abandoned_tail_not_yet_rerun(tmp_path):
     assert list(zip(effective["step"], effective["attempt"])) == [(1, 0), (2, 0), (3, 1), (4, 1)]
 
 
+def test_a_closed_store_is_one_file_that_reads_leave_as_they_found_it(tmp_path):
+    store = RunStore(tmp_path)
+    store.write_step({"step": 1, "attempt": 0, "loss": 5.0})
+    read_steps(tmp_path)  # a reader while the writer is open shares its WAL
+    store.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.sqlite"]
+    assert read_steps(tmp_path).loss.tolist() == [5.0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.sqlite"]  # before: run.sqlite-wal and -shm
+
+
 def test_reads_while_a_writer_is_open(tmp_path):
     store = RunStore(tmp_path)
     try:

@@ -93,13 +93,24 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # the global gradient norm is clipped to this; 0 turns clipping off
 
     def validate(self) -> None:
-        if self.lr <= 0:
+        if not self.lr > 0:
             raise ConfigError(f"optim.lr={self.lr}: must be positive")
         if self.warmup_steps < 0:
             raise ConfigError(f"optim.warmup_steps={self.warmup_steps}: must be 0 or more")
+        if not self.grad_clip >= 0:
+            raise ConfigError(f"optim.grad_clip={self.grad_clip}: must be 0 (no clipping) or a positive norm")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optim.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        if not self.weight_decay >= 0:
+            raise ConfigError(f"optim.weight_decay={self.weight_decay}: must be 0 or more")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"optim.{name}={getattr(self, name)}: must be in [0, 1)")
+        if not self.eps > 0:
+            raise ConfigError(f"optim.eps={self.eps}: must be positive")
 
 
 @dataclass

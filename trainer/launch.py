@@ -20,8 +20,10 @@ from pathlib import Path
 from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM
 from keel.monitor.redact import REDACTED
 from keel.monitor.run_dir import CONFIG_FILE, DUMP_DIR, STORE_FILE, wandb_offline_runs
+from keel.monitor.run_lock import RunDirBusy, check_free
 from keel.trainer.config import ConfigError, JobConfig, check_run_dir, load_config, validate
 from keel.trainer.data import open_tokens
+from keel.trainer.lifetime import end_with_parent
 
 # Flags passed through to torchrun so that the same command spans machines.
 TORCHRUN_OPTIONS = (
@@ -162,10 +164,11 @@ def main(argv: list[str]) -> int:
         cfg, opts = parse_train_args(argv)
         resolve_run_dir(cfg)
         check_run_dir(cfg.run.run_dir)
+        check_free(cfg.run.run_dir)  # a trainer still on this run (a resume beside it) is refused here
         open_tokens(cfg.data.source, cfg.data.seq_len)  # a missing or empty data file fails here, not in 8 workers
         worker_argv = _strip_torchrun_values(argv) + [f"--run.run_id={cfg.run.run_id}", f"--run.run_dir={cfg.run.run_dir}"]
         cmd = torchrun_command(cfg, opts, worker_argv)
-    except ConfigError as e:
+    except (ConfigError, RunDirBusy) as e:
         print(f"keel train: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     run_dir = Path(cfg.run.run_dir)
@@ -175,7 +178,8 @@ def main(argv: list[str]) -> int:
         flush=True,
     )
     try:
-        code = subprocess.call(cmd, env=worker_env(cfg, opts, run_dir))
+        # torchrun ends with this process (and its workers with torchrun): nothing trains on unwatched.
+        code = subprocess.call(cmd, env=worker_env(cfg, opts, run_dir), preexec_fn=end_with_parent)
     except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the workers
         return EXIT_INTERRUPTED
     for line in next_commands(run_dir):

@@ -40,7 +40,10 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 @torch.no_grad()
 def clip_grads(parts: list[nn.Module], max_norm: float, total_norm: float) -> None:
-    """Scale every gradient shard by the same factor, computed from the global norm."""
+    """Scale every gradient shard by the same factor, computed from the global norm. A max_norm of 0
+    means no clipping, as in Megatron-LM (scaling by 0 would stop learning)."""
+    if max_norm == 0:
+        return
     coef = max_norm / (total_norm + 1e-6)
     if coef < 1.0:
         for part in parts:

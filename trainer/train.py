@@ -4,6 +4,7 @@ torchrun directly (`torchrun --nproc-per-node 8 -m keel.trainer.train --config s
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import math
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from keel.chaos.fault_specs import parse_fault, random_faults
 from keel.chaos.faults import FaultPlan
+from keel.monitor import run_lock
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK, EXIT_ROLLBACK_CAP
 from keel.monitor.goodput import goodput_of_run
 from keel.monitor.redact import redact
@@ -30,6 +32,7 @@ from keel.trainer.data import BatchSampler, open_tokens, parse_skip_ranges
 from keel.trainer.distributed import init_distributed, set_collective_timeout, sum_over_ranks
 from keel.trainer.incidents import Incidents
 from keel.trainer.launch import parse_train_args, resolve_run_dir
+from keel.trainer.lifetime import end_with_parent
 from keel.trainer.model_args import flops_per_token, model_args
 from keel.trainer.optim import build_optimizer, clip_grads, lr_at, set_lr
 from keel.trainer.progress import ProgressLine
@@ -440,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"keel train: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     faulthandler.enable()  # a segfault leaves the Python stacks in the worker's stderr
+    end_with_parent()  # torchrun's death (or its launcher's) ends this worker too
     device, rank, world = init_distributed(cfg.watchdog.startup_s)
     if not cfg.run.run_dir:
         # Started by torchrun or srun directly: rank 0 names the run, everyone uses that name.
@@ -448,10 +452,32 @@ def main(argv: list[str] | None = None) -> int:
         if world > 1:
             dist.broadcast_object_list(names, src=0)
         cfg.run.run_id, cfg.run.run_dir = names
-    Trainer(cfg, device, rank, world, process_start).train()
+    owner, refused = own_run_dir(cfg.run.run_dir, rank, world)
+    if refused:
+        if rank == 0:
+            print(f"keel train: error: {refused}", file=sys.stderr)
+        return EXIT_CONFIG
+    with owner:
+        Trainer(cfg, device, rank, world, process_start).train()
     # A run that stopped on purpose (the rollback cap) recorded `run_stopped` with its exit code, which
     # `keel train` returns; the worker itself ends cleanly, or torchrun would restart it.
     return EXIT_OK
+
+
+def own_run_dir(run_dir: str, rank: int, world: int) -> tuple[contextlib.AbstractContextManager, str]:
+    """Rank 0 takes the run directory's lock for the life of the training (keel.monitor.run_lock); every
+    rank learns whether it did. (the lock's holder, or a null context on other ranks; the refusal, or "")."""
+    owner, refused = contextlib.nullcontext(), ""
+    if rank == 0:
+        try:
+            owner = run_lock.own(run_dir)
+        except run_lock.RunDirBusy as e:
+            refused = str(e)
+    if world > 1:
+        verdict = [refused]
+        dist.broadcast_object_list(verdict, src=0)
+        refused = verdict[0]
+    return owner, refused
 
 
 if __name__ == "__main__":
