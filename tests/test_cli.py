@@ -77,11 +77,11 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 @pytest.fixture(scope="module")
 def main_layout_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
-    """`keel train` at the main job's layout (pp2·dp2·tp2) for 3 steps, with the default monitoring (W&B
-    offline: no API key reaches a test) and library warnings not silenced, as a user runs it."""
+    """The main job (`keel train`: the small preset at pp2·dp2·tp2) for 2 steps, with the default monitoring
+    (W&B offline: no API key reaches a test) and library warnings not silenced, as a user runs it."""
     run_dir = tmp_path_factory.mktemp("main") / "run"
     env = {key: value for key, value in os.environ.items() if key != "PYTHONWARNINGS"}
-    cmd = [sys.executable, "-m", "keel.cli", "train", "--config=tiny", "--pp=2", "--dp=2", "--tp=2", "--steps=3", f"--run-dir={run_dir}"]
+    cmd = [sys.executable, "-m", "keel.cli", "train", "--steps=2", f"--run-dir={run_dir}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, run_dir

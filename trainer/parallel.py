@@ -6,7 +6,6 @@ file only decides how the Llama blocks map onto it.
 from __future__ import annotations
 
 import math
-import warnings
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -76,25 +75,43 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
     if model.tok_embeddings is not None:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
     if model.output is not None:
-        plan["output"] = ColwiseParallel(output_layouts=Replicate())
+        plan["output"] = ColwiseParallel()  # each rank's vocabulary columns, gathered below
     for i in model.layers:
         for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
             plan[f"layers.{i}.{name}"] = ColwiseParallel()
         plan[f"layers.{i}.attention.wo"] = RowwiseParallel()
         plan[f"layers.{i}.feed_forward.w2"] = RowwiseParallel()
     parallelize_module(model, tp_mesh, plan)
+    if model.output is not None:
+        # Gathered by Keel rather than by the plan (output_layouts=Replicate): DTensor's to_local() returns
+        # a view, and a view as an FSDP2 module's output would lose FSDP's pre-backward hook to any in-place
+        # op on it (torch warns so on every rank). The gather returns a new tensor.
+        group = tp_mesh.get_group()
+        model.output.register_forward_hook(lambda _module, _inputs, local: _GatherVocab.apply(local, group))
+
+
+class _GatherVocab(torch.autograd.Function):
+    """The head's vocabulary-parallel logits, gathered along the last dimension into a new tensor
+    (Megatron-LM's gather_from_tensor_model_parallel_region). Every tp rank then computes the same loss
+    on the whole logits, so the gradient flowing back is each rank's own slice, not a sum."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        own = grad.chunk(dist.get_world_size(ctx.group), dim=-1)[dist.get_rank(ctx.group)]
+        return own.contiguous(), None
 
 
 def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, mode: DataParallelMode, bf16: bool) -> None:
     """ZeRO-3 (reshard after forward) or ZeRO-2 (keep parameters gathered until backward), one FSDP
     unit per block so the all-gather of block i+1 overlaps the compute of block i."""
     reshard = mode == "zero3"
-    # With tp > 1 the head's logits come back from TP's all-gather as a view, and FSDP2 warns on every
-    # rank that an in-place op on a view would skip its pre-backward hook. Keel never changes a stage's
-    # output in place (the loss and the pipeline send take it out of place; the tp parity tests show the
-    # gradients equal a single process's), so the warning is only noise to the user. Filtered by its
-    # text, from FSDP's own module, nothing else.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", module=r"torch\.distributed\.fsdp")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
