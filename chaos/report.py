@@ -20,7 +20,7 @@ import pandas as pd  # noqa: E402
 
 from keel.chaos.verdict import DrillResult  # noqa: E402
 from keel.monitor.run_dir import STORE_FILE  # noqa: E402
-from keel.monitor.store import read_steps  # noqa: E402
+from keel.monitor.store import abandoned_mask, read_steps  # noqa: E402
 
 _COLUMNS = ("drill", "result", "detected", "recovered", "steps lost", "goodput", "loss vs reference")
 
@@ -115,10 +115,17 @@ def _finite(d: dict) -> dict:
 
 
 def plot(results: list[DrillResult], reference_dir: Path, out: Path) -> None:
+    fig = figure(results, reference_dir)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def figure(results: list[DrillResult], reference_dir: Path) -> plt.Figure:
+    """One panel per drill that ran (see the module's docstring), each with its legend below it."""
     shown = [r for r in results if r.status != "n/a" and r.run_dir and (Path(r.run_dir) / STORE_FILE).exists()]
     cols = min(3, max(1, len(shown)))
     rows = max(1, math.ceil(len(shown) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.6 * rows), squeeze=False)
     reference = read_steps(reference_dir, effective=True) if (reference_dir / STORE_FILE).exists() else None
     for ax in axes.flat[len(shown) :]:
         ax.axis("off")
@@ -126,15 +133,16 @@ def plot(results: list[DrillResult], reference_dir: Path, out: Path) -> None:
         _draw_panel(ax, r, reference)
     fig.suptitle("Keel drill: the loss of each fault's run against its reference")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def _draw_panel(ax, r: DrillResult, reference: pd.DataFrame | None) -> None:
     """One drill's panel: its kept trajectory against the reference it was compared with, the steps it
     threw away, the fault, its detection and recovery (and the step time for a slow rank)."""
     run_dir = Path(r.run_dir)
-    every, kept = read_steps(run_dir), read_steps(run_dir, effective=True)
+    every = read_steps(run_dir)
+    abandoned = abandoned_mask(every)  # the whole run: the store's effective-trajectory rule
+    kept, dropped = every[~abandoned], every[abandoned]
     compared = run_dir.parent / str(r.loss_compared_with)
     if r.loss_compared_with and r.loss_compared_with != "reference" and (compared / STORE_FILE).exists():
         base, base_label = read_steps(compared, effective=True), "reference that skipped the same batches"
@@ -142,18 +150,11 @@ def _draw_panel(ax, r: DrillResult, reference: pd.DataFrame | None) -> None:
         base, base_label = reference, "reference (no fault)"
     if base is not None:
         ax.plot(base.step, base.loss, color="0.6", lw=3, label=base_label)
-    dropped = every.merge(kept[["step", "attempt"]], on=["step", "attempt"], how="left", indicator=True)
-    dropped = dropped[dropped["_merge"] == "left_only"]
+    top = _ceiling(every, reference)
     ax.plot(kept.step, kept.loss, color="tab:blue", lw=1.2, label="the run: kept trajectory")
-    ax.scatter(
-        dropped.step,
-        dropped.loss.clip(upper=_ceiling(every, reference)),
-        marker="x",
-        color="tab:red",
-        s=22,
-        zorder=3,
-        label="the run: steps thrown away",
-    )
+    # Every step thrown away is drawn; a loss off the scale (a NaN, an overflow) sits on the top edge.
+    ax.scatter(dropped.step, dropped.loss.fillna(top).clip(upper=top), marker="x", color="tab:red", s=22, zorder=3,
+               label="the run: steps thrown away (off scale: top edge)")  # fmt: skip
     _mark_fault_and_recovery(ax, r, dropped)
     if r.recovered and r.recovered_step is None:
         # A slow rank leaves the loss alone: what changes is the step time, so draw that too.
@@ -166,13 +167,14 @@ def _draw_panel(ax, r: DrillResult, reference: pd.DataFrame | None) -> None:
         legend_on = slow  # drawn last, so its legend lies above both axes' lines
     else:
         legend_on = ax
-    ax.set_ylim(top=_ceiling(every, reference) * 1.05)
+    ax.set_ylim(top=top * 1.05)
     ax.set_title(f"{r.name}: {r.status.upper()}", color="tab:green" if r.status == "pass" else "tab:red", fontweight="bold")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     handles = [h for a in dict.fromkeys([ax, legend_on]) for h in a.get_legend_handles_labels()[0]]
-    legend_on.legend(handles=handles, fontsize=6.5, loc="upper right", framealpha=0.9)
+    # Below the panel, never over it: a spike's points are exactly where an in-panel legend sits.
+    legend_on.legend(handles=handles, fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
 
 
 def _mark_fault_and_recovery(ax, r: DrillResult, dropped: pd.DataFrame) -> None:
@@ -204,10 +206,12 @@ def _mark_fault_and_recovery(ax, r: DrillResult, dropped: pd.DataFrame) -> None:
 
 
 def _ceiling(every, reference) -> float:
-    """The top of a panel: the start of training, so a NaN or a 1e6 loss does not flatten the curves;
-    higher points are drawn at the top edge."""
-    first = every.loss[every.loss.notna() & (every.loss < float("inf"))]
-    top = float(first.iloc[:5].max()) if len(first) else 1.0
-    if reference is not None and len(reference):
-        top = max(top, float(reference.loss.iloc[:5].max()))
-    return top * 1.3
+    """The top of a panel: the highest finite loss, run or reference, but at most 3x the start of training,
+    so a 1e6 loss does not flatten the curves (higher points are drawn on the top edge)."""
+    curves = [every.loss] + ([reference.loss] if reference is not None else [])
+    finite = [c[c.abs() < float("inf")] for c in curves]  # NaN compares False too
+    finite = [c for c in finite if len(c)]
+    if not finite:
+        return 1.0
+    start = max(float(c.iloc[:5].max()) for c in finite)
+    return min(max(float(c.max()) for c in finite), 3 * start)
