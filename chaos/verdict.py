@@ -165,7 +165,7 @@ def _judge_detection(r: DrillResult, events: pd.DataFrame, expect: Expectation, 
         # A restart or a checkpoint report names the step resumed from; the fault was found in its own step.
         r.detection_step = max(int(event.step) if pd.notna(event.step) else fault_step, fault_step)
         r.detection_latency_steps = r.detection_step - fault_step
-        r.detection_latency_s = max(0.0, at - r.fault_time)
+        r.detection_latency_s = at - r.fault_time  # not clamped: a detection before its fault is a bug to see
 
 
 def _judge_recovery(r: DrillResult, events: pd.DataFrame, kept: pd.DataFrame, expect: Expectation, exit_code: int, hint: str) -> None:

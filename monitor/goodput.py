@@ -113,18 +113,23 @@ def compute_goodput(steps: pd.DataFrame, events: pd.DataFrame, end_time: float |
     abandoned = abandoned_mask(steps)
     skipped = _column(steps, "skipped", 0.0) == 1
     productive = float(step_time[~abandoned & ~skipped].sum())
+    # A hang's stall lies inside another measured span, and is counted once, as the hang: in a restart's
+    # down time when the watchdog's kill led to the restart (down time runs from the last step recorded
+    # to the new process), otherwise in the step that stalled and then went on.
+    hang = _duration_sum(events, "hang", "stalled_s")
+    down = _duration_sum(events, "restart", "down_s")
+    productive -= min(productive, hang - min(hang, down))
     lost = {
         "recomputed": float(step_time[abandoned].sum()),
         "skipped": float(step_time[~abandoned & skipped].sum()),
-        "restart": _duration_sum(events, "restart", "down_s"),
-        "hang": _duration_sum(events, "hang", "stalled_s"),
+        "restart": down - min(hang, down),
+        "hang": hang,
         # A rollback's checkpoint load is also recorded by its checkpoint_loaded event, so rollback.load_s
         # is not added here.
         "checkpoint": _duration_sum(events, "checkpoint_saved", "blocking_s") + _duration_sum(events, "checkpoint_loaded", "load_s"),
     }
-    # The causes can overlap (a hang's stall is part of the restart's down time when the watchdog's kill
-    # led to the restart), so the rest can come out negative; it is clipped at 0 rather than reported as
-    # negative idle time, and then productive + lost exceeds wall by the overlap.
+    # What no cause accounts for (start-up, logging, the last save). Clipped at 0 against rounding: the
+    # spans above are disjoint, so productive + lost = wall.
     lost["other"] = max(wall - productive - sum(lost.values()), 0.0)
     return Goodput(wall_s=wall, productive_s=productive, lost_s={c: lost[c] for c in CAUSES})
 

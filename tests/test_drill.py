@@ -29,7 +29,9 @@ def test_every_single_process_fault_is_detected_and_recovered_with_nothing_lost(
     assert list(results) == faults.split(";")
     for r in results.values():
         assert r["status"] == "pass" and r["detected"] and r["recovered"], r
-        assert r["detection_latency_s"] >= 0 and r["time_to_recover_s"] > 0 and r["goodput"] < 1
+        # Detected at or after the fault, never before (the latency is not clamped), then recovered.
+        assert r["detection_latency_steps"] >= 0 and r["detection_latency_s"] >= 0, r
+        assert r["time_to_recover_s"] > 0 and r["goodput"] < 1, r
     # The rollbacks skipped data, so their reference skipped the same batches; the run matches it exactly.
     for name in ("nan", "inf_grad", "nan_param", "spike", "lr_surge", "data_corrupt"):
         assert results[name]["batches_skipped"] and results[name]["loss_compared_with"].startswith("reference-skip-"), name

@@ -95,13 +95,23 @@ def test_skipped_steps_are_lost_unless_a_later_attempt_abandoned_them():
     assert g == Goodput(wall_s=3.0, productive_s=1.5, lost_s=lost(recomputed=0.5, skipped=0.5, other=0.5))
 
 
-def test_hang_counts_the_stall_and_other_never_goes_negative():
+def test_a_stall_inside_a_step_is_the_hang_not_productive_time():
     steps = [(1, 0, 1, 1.0, 0), (2, 0, 7, 6.0, 0)]  # step 2 hung for 5 s, then went on
     events = [(0, "run_started", {"process_start": T0}), (6.5, "hang", {"stalled_s": 5.0, "rank": 1})]
     g = compute_goodput(steps_frame(steps), events_frame(events))
-    # The hung step's time is both productive and the hang: they overlap, and other is clipped at 0.
-    assert g == Goodput(wall_s=7.0, productive_s=7.0, lost_s=lost(hang=5.0))
-    assert g.summary() == "goodput 100.0% of 7.0 s wall: lost hang 5.0 s"
+    assert g == Goodput(wall_s=7.0, productive_s=2.0, lost_s=lost(hang=5.0))
+    assert g.productive_s + sum(g.lost_s.values()) == g.wall_s
+    assert g.summary() == "goodput 28.6% of 7.0 s wall: lost hang 5.0 s"  # before: 100.0%, and 12 s of 7
+
+
+def test_a_hang_that_led_to_a_restart_is_counted_once():
+    # Step 2 stalled; the watchdog killed the workers after 5 s; the new ones ran step 2 again 8 s after step 1.
+    steps = [(1, 0, 1, 1.0, 0), (2, 1, 10, 1.0, 0)]
+    events = [(0, "run_started", {"process_start": T0}), (6, "hang", {"stalled_s": 5.0, "rank": 1}),
+              (9, "restart", {"down_s": 8.0})]  # fmt: skip
+    g = compute_goodput(steps_frame(steps), events_frame(events))
+    assert g == Goodput(wall_s=10.0, productive_s=2.0, lost_s=lost(hang=5.0, restart=3.0))
+    assert g.productive_s + sum(g.lost_s.values()) == g.wall_s
 
 
 def test_abandoned_rows_past_the_rerun_so_far_are_recomputed_like_the_store_says():

@@ -40,7 +40,7 @@ def test_preflight_passes_for_a_pipeline_and_data_parallel_job(tmp_path):
     assert rows["ranks reachable"][1].startswith("4/4 ranks")
     for dim in ("pp", "dp"):
         detail = rows[f"bandwidth {dim}"][1]
-        assert number(r"bus ([\d.e+-]+) GB/s", detail) >= 0.001 and "over 2 ranks" in detail
+        assert number(r"bus ([\d.e+-]+) GB/s", detail) > 0 and "over 2 ranks" in detail
         assert number(r"latency ([\d.e+-]+) ms", detail) > 0
     disk = rows["checkpoint disk"][1]
     assert number(r"write (\d+) MB/s", disk) > 0 and number(r"read (\d+) MB/s", disk) > 0
@@ -57,19 +57,22 @@ def test_failing_checks_exit_1_name_the_checks_and_are_saved(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "checkpoints").write_text("")  # a file where the checkpoints folder belongs (root can write anywhere else)
-    proc = keel("preflight", "--config", "tiny", "--dp", "2", "--run-dir", str(run_dir), "--memory-limit-bytes", "1000")
+    # 1 PB/s: no link has it, so the bandwidth check must fail (its floor is enforced, not only printed).
+    proc = keel("preflight", "--config", "tiny", "--dp", "2", "--run-dir", str(run_dir), "--memory-limit-bytes", "1000",
+                "--min-bandwidth-gbps=1e6")  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
     rows = table(proc.stdout)
     assert {name: result for name, (result, _) in rows.items()} == {
         "ranks reachable": "PASS",
-        "bandwidth dp": "PASS",
+        "bandwidth dp": "FAIL",
         "checkpoint disk": "FAIL",
         "memory": "FAIL",
         "overfit": "SKIP",
     }
     assert "is a file, not a directory" in rows["checkpoint disk"][1]
     assert "but only 1 KB (--memory-limit-bytes" in rows["memory"][1]
-    assert "2 of 5 checks failed: checkpoint disk, memory" in proc.stdout
+    assert "(minimum 1e+06)" in rows["bandwidth dp"][1], rows["bandwidth dp"]
+    assert "3 of 5 checks failed: bandwidth dp, checkpoint disk, memory" in proc.stdout
 
     saved = json.loads((run_dir / "preflight.json").read_text())
     assert saved["passed"] is False and saved["layout"]["dp"] == 2
