@@ -1,0 +1,51 @@
+"""comm_share measured on a controlled collective: two real gloo processes, one of which sleeps X ms before
+an all-reduce. The other waits those X ms inside the all-reduce, and that wait is exactly the exposed
+communication Keel's profiler-based measure must report (the sleeper's own share stays small)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from keel.trainer.exposed_comm import sampled_step, warm_up_profiler
+
+SLEEP_S = 0.3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _measure(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    x, grads = torch.randn(256, 256), torch.ones(1 << 16)
+    dist.all_reduce(grads)  # the connection is made before anything is timed
+    warm_up_profiler(cuda=False)
+    dist.barrier()
+    with sampled_step(True, cuda=False) as exposed:
+        for _ in range(20):
+            x = torch.tanh(x @ x)  # compute on both ranks, which no communication overlaps
+        if rank == 1:
+            time.sleep(SLEEP_S)  # the slow rank: its peer waits in the all-reduce
+        dist.all_reduce(grads)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(exposed(), f)
+    dist.destroy_process_group()
+
+
+def test_the_peer_of_a_rank_that_sleeps_x_before_an_all_reduce_has_x_of_exposed_communication(tmp_path):
+    out = str(tmp_path / "exposed")
+    mp.spawn(_measure, args=(_free_port(), out), nprocs=2, join=True)
+    waiter, sleeper = (json.loads(open(f"{out}.{rank}").read()) for rank in (0, 1))
+    assert SLEEP_S * 0.9 < waiter < SLEEP_S * 1.3, waiter
+    assert sleeper < SLEEP_S * 0.2, sleeper
