@@ -3,15 +3,15 @@
 A save is written by every rank into checkpoints/.tmp-step-XXXXXXXX with torch.distributed.checkpoint
 (async_save: the state is copied aside in the background while the next step computes, and the
 optimizer waits for the copy only if it is not done yet). When DCP reports the whole save
-complete, rank 0 hashes every file, writes manifest.json (step, sha256 per file, config hash, data and
-code version, the trainer's own state) and renames the folder to step-XXXXXXXX. A folder without that
-name was never finished and is never loaded. Loading verifies the hashes; a corrupt checkpoint is
-renamed *.corrupt, reported, and the next older one is tried.
+complete, rank 0 hashes every file, writes manifest.json (step, sha256 per file, the model's shape,
+the data and the parallel layout (keel.trainer.manifest), the code version, the trainer's own state) and
+renames the folder to step-XXXXXXXX. A folder without that name was never finished and is never loaded.
+Loading verifies the hashes; a corrupt checkpoint is renamed *.corrupt, reported, and the next older one
+is tried. A resume also refuses a checkpoint of another model or data.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import logging
@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from keel.monitor.checkpoints import sha256_file, verify
 from keel.monitor.run_dir import CHECKPOINT_DIR, MANIFEST, checkpoint_name, list_checkpoints
 from keel.trainer.config import CheckpointConfig, JobConfig
+from keel.trainer.manifest import config_record, vet_resume
 
 log = logging.getLogger("keel.checkpoint")
 
@@ -86,6 +87,7 @@ class Restored:
     train_state: dict
     load_s: float
     corrupt: list[str]  # what was wrong with each newer checkpoint that was passed over
+    layout_change: str | None = None  # a resume at another parallel layout: what changed
 
 
 class Checkpointer:
@@ -113,7 +115,7 @@ class Checkpointer:
             )
         self.dir = Path(run_dir) / CHECKPOINT_DIR
         self.model, self.optimizer = WholeModel(parts), optimizer
-        self.manifest_info = manifest_info  # config hash, data version, code version
+        self.manifest_info = manifest_info  # this run's model, data, layout and code, as a manifest records them
         # A save in flight runs its own collectives from DCP's thread; a group of its own keeps them
         # from interleaving with the training collectives.
         self.group = dist.new_group(backend="gloo") if world > 1 and cfg.async_save else None
@@ -287,9 +289,11 @@ class Checkpointer:
 
     # -- loading --------------------------------------------------------------------------------
 
-    def load_latest(self, before_step: int | None = None) -> Restored | None:
+    def load_latest(self, before_step: int | None = None, resuming: bool = False) -> Restored | None:
         """Loads the newest checkpoint that verifies (and, with `before_step`, was saved before that step).
-        Collective: rank 0 chooses, every rank loads the same one. None when there is none."""
+        Collective: rank 0 chooses, every rank loads the same one. None when there is none. When
+        `resuming`, a checkpoint of another model or data is not loaded: every rank reads the same
+        manifest and raises the same ConfigError."""
         self.wait()
         started = time.perf_counter()
         choice: list = [None, []]
@@ -302,17 +306,18 @@ class Checkpointer:
         if step is None:
             return None
         path = self.dir / checkpoint_name(step)
+        manifest = json.loads((path / MANIFEST).read_text())
+        layout_change = vet_resume(manifest, path, self.manifest_info) if resuming else None
         state = self._state()
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS)
         torch.set_rng_state(state["rng"][f"rank{self.rank}"])
         if torch.cuda.is_available():
             torch.cuda.set_rng_state(state["rng"][f"cuda_rank{self.rank}"])
-        manifest = json.loads((path / MANIFEST).read_text())
         self.saved_step, self.saved_time = step, time.time()
         if self.world > 1:
             dist.barrier()
-        return Restored(step, path, manifest["train_state"], time.perf_counter() - started, corrupt)
+        return Restored(step, path, manifest["train_state"], time.perf_counter() - started, corrupt, layout_change)
 
     def _choose(self, before_step: int | None) -> list:
         corrupt = []
@@ -340,12 +345,10 @@ class Checkpointer:
 
 
 def manifest_info(cfg: JobConfig, data_version: str) -> dict:
-    """What a checkpoint records about where it came from: the config that shapes the state (not the
-    run's name, length or fault plan), the data, and the code."""
-    shaping = {k: v for k, v in cfg.to_dict().items() if k in ("model", "data", "optim", "parallel")}
-    config_hash = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
+    """What a checkpoint records about where it came from: the model, the data and the layout that a
+    resume is checked against (keel.trainer.manifest), and the code."""
     try:
         keel_version = importlib.metadata.version("keel")
     except importlib.metadata.PackageNotFoundError:
         keel_version = "unknown"
-    return {"config_hash": config_hash, "data_version": data_version, "code_version": f"keel {keel_version}, torch {torch.__version__}"}
+    return {**config_record(cfg, data_version), "code_version": f"keel {keel_version}, torch {torch.__version__}"}

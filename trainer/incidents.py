@@ -115,6 +115,10 @@ class Incidents:
             attempt=attempt,
             data={"path": str(restored.path), "load_s": restored.load_s},
         )
+        if restored.layout_change:
+            self._note(
+                "layout_changed", restored.layout_change, step=restored.step, attempt=attempt, data={"checkpoint": restored.path.name}
+            )
 
     def no_checkpoint(self, attempt: int, corrupt: list[str]) -> None:
         self._corrupt(corrupt, attempt)

@@ -24,6 +24,7 @@ from keel.monitor.run_lock import RunDirBusy, check_free
 from keel.trainer.config import ConfigError, JobConfig, check_run_dir, load_config, validate
 from keel.trainer.data import open_tokens
 from keel.trainer.lifetime import end_with_parent
+from keel.trainer.manifest import config_record, newest_manifest, vet_resume
 
 # Flags passed through to torchrun so that the same command spans machines.
 TORCHRUN_OPTIONS = (
@@ -128,6 +129,16 @@ def resume_config(run_dir: str) -> Path:
     return path
 
 
+def check_resume(cfg: JobConfig, data_version: str) -> str | None:
+    """Refuses (ConfigError) a resume whose newest checkpoint holds another model or data, so no worker
+    starts to find out; returns the line that says how the parallel layout changed, or None."""
+    found = newest_manifest(cfg.run.run_dir)
+    if found is None:
+        return None
+    checkpoint, manifest = found
+    return vet_resume(manifest, checkpoint, config_record(cfg, data_version))
+
+
 def _forget_redacted_secrets(cfg: JobConfig) -> None:
     """A resumed run reads a config.toml whose secrets were redacted: they come from the environment
     again (KEEL_WEBHOOK_URL, WANDB_API_KEY), never from the placeholder."""
@@ -165,7 +176,8 @@ def main(argv: list[str]) -> int:
         resolve_run_dir(cfg)
         check_run_dir(cfg.run.run_dir)
         check_free(cfg.run.run_dir)  # a trainer still on this run (a resume beside it) is refused here
-        open_tokens(cfg.data.source, cfg.data.seq_len)  # a missing or empty data file fails here, not in 8 workers
+        data = open_tokens(cfg.data.source, cfg.data.seq_len)  # a missing or empty data file fails here, not in 8 workers
+        layout_change = check_resume(cfg, data.version) if cfg.run.resume else None
         worker_argv = _strip_torchrun_values(argv) + [f"--run.run_id={cfg.run.run_id}", f"--run.run_dir={cfg.run.run_dir}"]
         cmd = torchrun_command(cfg, opts, worker_argv)
     except (ConfigError, RunDirBusy) as e:
@@ -173,6 +185,8 @@ def main(argv: list[str]) -> int:
         return EXIT_CONFIG
     run_dir = Path(cfg.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if layout_change:
+        print(f"keel train: {layout_change}")
     print(
         f"keel train: {cfg.world_size} processes (pp{cfg.parallel.pp} dp{cfg.parallel.dp} tp{cfg.parallel.tp}), run dir {cfg.run.run_dir}",
         flush=True,

@@ -72,9 +72,12 @@ class Trainer:
             self._record_run_start(peak_total, mfu_basis, oom_note)
         self.watchdog.on_hang = self.incidents.hang
         self._build_recovery()
-        self.step = 0
+        self.step, self.exit_code = 0, EXIT_OK
         if self.resuming:
             self._resume(last_recorded)
+        if self.recorder is not None and self.exit_code == EXIT_OK:
+            # After the resume check: a config the checkpoint refused never replaces the run's own.
+            write_resolved_config(cfg, self.run_dir / CONFIG_FILE)
         self.progress = ProgressLine(cfg.training.steps, every=cfg.metrics.log_every) if rank == 0 else None
         if world > 1:
             exposed_comm.warm_up_profiler(device.type == "cuda")
@@ -85,7 +88,6 @@ class Trainer:
         # collective that waits past twice the floor is failed by the process group itself. The watchdog
         # normally fires first and leaves stack dumps; this is the backstop.
         self.tight_timeout_s, self.timeouts_tight = 2 * cfg.watchdog.floor_s + 60, False
-        self.exit_code = EXIT_OK
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -134,10 +136,9 @@ class Trainer:
         return peak_total, basis
 
     def _record_run_start(self, peak_total: float, mfu_basis: str, oom_note: dict | None) -> None:
-        """Rank 0: the resolved config, the run's metadata, `run_started`, and the OOM restart that the
-        previous attempt asked for, if it is not reported yet."""
+        """Rank 0: the run's metadata, `run_started`, and the OOM restart that the previous attempt asked
+        for, if it is not reported yet."""
         cfg, world, layout, recorder = self.cfg, self.world, self.layout, self.recorder
-        write_resolved_config(cfg, self.run_dir / CONFIG_FILE)
         for key, value in {
             "run_id": cfg.run.run_id,
             "config": redact(cfg.to_dict()),
@@ -177,13 +178,20 @@ class Trainer:
 
     def _resume(self, last_recorded: float | None) -> None:
         """Loads the newest good checkpoint and the sampler and guard state saved with it; after a
-        restart, also reports the stalls and the restart itself (rank 0)."""
+        restart, also reports the stalls and the restart itself (rank 0). A checkpoint of another model
+        or data ends the run instead (see `_refuse_resume`)."""
         self.watchdog.beat("checkpoint_load", 0, self.attempt)
-        restored = self.checkpointer.load_latest()
+        try:
+            restored = self.checkpointer.load_latest(resuming=True)
+        except ConfigError as e:
+            self._refuse_resume(str(e))
+            return
         if restored is not None:
             self.step = restored.step
             self.sampler.load_state_dict(restored.train_state["sampler"])
             self.guard.load_state_dict(restored.train_state["guard"])
+            if restored.layout_change:
+                log.info("%s", restored.layout_change)
             self.incidents.loaded(restored, self.attempt)
         else:
             self.incidents.no_checkpoint(self.attempt, self.checkpointer.corrupt)
@@ -193,11 +201,19 @@ class Trainer:
             downtime_s = self.process_start - last_recorded if last_recorded else 0.0
             self.incidents.restart(self.attempt, self.restart_count, downtime_s, self.step)
 
+    def _refuse_resume(self, reason: str) -> None:
+        """Ends the run before its first step with EXIT_CONFIG. Stopping on purpose: recorded as
+        `run_stopped`, which `keel train` returns, and the workers end cleanly (a restart would be refused too)."""
+        if self.rank == 0:
+            print(f"keel train: error: {reason}", file=sys.stderr, flush=True)
+        self.exit_code = EXIT_CONFIG
+        self.incidents.stopped(self.step, self.attempt, reason, self.exit_code)
+
     # -- the loop ---------------------------------------------------------------------------------
 
     def train(self) -> int:
         """Runs the remaining steps, then tears down; returns the exit code (see keel.monitor.exits)."""
-        while self.step < self.cfg.training.steps:
+        while self.exit_code == EXIT_OK and self.step < self.cfg.training.steps:
             self.step += 1
             outcome = self.train_step()
             if outcome is None:  # out of memory: recover_oom set the same step up to run again
@@ -256,7 +272,8 @@ class Trainer:
         """Forward, backward and the gradient collectives, then the update unless a loss or gradient is
         not finite on some rank. Returns (this rank's loss, the global grad norm, whether the update was skipped)."""
         cfg, parts, faults = self.cfg, self.parts, self.faults
-        faults.at_step_start(parts, self.checkpointer.wait)  # chaos hook points: the process, the parameters, the checkpoints
+        rows = cfg.training.global_batch_size // cfg.parallel.dp // cfg.training.microbatches
+        faults.at_step_start(parts, rows, self.checkpointer.wait)  # chaos hook points: the process, the parameters, the checkpoints
         loss = forward_backward(cfg, parts, self.schedule, self.layout, inputs, targets, self.autocast, self.step_loss)
         faults.corrupt_grads(parts)
         if cfg.parallel.dp > 1 and cfg.parallel.dp_mode == "replicate":
