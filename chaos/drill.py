@@ -37,7 +37,8 @@ from keel.trainer.launch import parse_train_args, resolve_run_dir
 @dataclass(frozen=True)
 class Drill:
     name: str
-    faults: tuple[str, ...]  # templates: {S} fault step, {R} faulty rank, {K} recovery.nonfinite_limit, {MS} a delay
+    faults: tuple[str, ...]  # templates: {S} fault step, {R} faulty rank, {K} recovery.nonfinite_limit, {MS} a delay,
+    # {ROWS} half the job's micro-batch (sequences): a memory that one halving gets under
     expect: Expectation
     min_stage_ranks: int = 1  # ranks per pipeline stage needed to tell a slow rank from its peers
 
@@ -59,7 +60,7 @@ DRILLS = {
         Drill("spike", ("spike@step={S},steps=5",), Expectation(detect=("spike",), recover=("rollback",), compare="skip")),
         Drill("lr_surge", ("spike@step={S},steps=3,lr=100,data=0",), Expectation(detect=("spike",), recover=("rollback",), compare="skip")),
         Drill("data_corrupt", ("data_corrupt@step={S}",), Expectation(detect=("bad_batch",), compare="skip")),
-        Drill("oom", ("oom@step={S},rank={R}",), Expectation(detect=("oom",), rtol=1e-5)),
+        Drill("oom", ("oom@step={S},rank={R},rows={ROWS}",), Expectation(detect=("oom",), rtol=1e-5)),
         Drill("hang", ("hang@step={S},rank={R}",), Expectation(detect=("hang",), recover=("restart",))),
         Drill("deadlock", ("deadlock@step={S},rank={R}",), Expectation(detect=("hang",), recover=("restart",))),
         Drill("crash", ("crash@step={S},rank={R}",), _RESTART),
@@ -71,10 +72,10 @@ DRILLS = {
             Expectation(detect=("checkpoint_corrupt",), recover=("restart",)),
         ),
         Drill("straggler", ("straggler@step={S},rank={R},steps=1000,ms={MS}",), _SLOW, min_stage_ranks=2),
-        Drill("slow_comm", ("slow_comm@step={S},rank={R},steps=1000,ms={MS}",), _SLOW, min_stage_ranks=2),
+        Drill("late_collective", ("late_collective@step={S},rank={R},steps=1000,ms={MS}",), _SLOW, min_stage_ranks=2),
     ]
 }
-SUITES = {"standard": ["nan", "spike", "oom", "hang", "crash", "ckpt_corrupt", "straggler", "slow_comm"], "full": list(DRILLS)}
+SUITES = {"standard": ["nan", "spike", "oom", "hang", "crash", "ckpt_corrupt", "straggler", "late_collective"], "full": list(DRILLS)}
 # What a fault given as a spec (--faults "hang@step=30,rank=1") must cause: the same as its drill.
 _BY_KIND = {
     "nan": "nan",
@@ -87,7 +88,7 @@ _BY_KIND = {
     "crash": "crash",
     "segfault": "segfault",
     "straggler": "straggler",
-    "slow_comm": "slow_comm",
+    "late_collective": "late_collective",
     "ckpt_corrupt": "ckpt_corrupt",
 }
 assert set(_BY_KIND) == set(KINDS)
@@ -269,12 +270,14 @@ class DrillRunner:
 
 
 def expand(drill: Drill, setup: DrillSetup, step_time_s: float) -> list[str]:
+    training = setup.cfg.training
     values = {
         "S": setup.fault_step,
         "R": setup.fault_rank,
         "K": setup.cfg.recovery.nonfinite_limit,
-        "MS": max(50, round(2000 * step_time_s)),
-    }  # twice a step: a slowdown the straggler score must see
+        "MS": max(50, round(2000 * step_time_s)),  # twice a step: a slowdown the straggler score must see
+        "ROWS": max(1, training.global_batch_size // setup.cfg.parallel.dp // training.microbatches // 2),
+    }
     return [t.format(**values) for t in drill.faults]
 
 

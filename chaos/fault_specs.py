@@ -19,13 +19,14 @@ KINDS = {
     "inf": "Inf into the loss, a gradient or a parameter (into=loss|grad|param) at steps S..S+K-1",
     "spike": "a real loss spike: the batches of steps S..S+K-1 replaced by random bytes (data=1) and/or the LR times lr=F",
     "data_corrupt": "token ids out of the vocabulary in the batches of steps S..S+K-1 (a damaged data file)",
-    "oom": "torch.OutOfMemoryError at the start of step S (real=1 on a GPU: a real over-allocation)",
+    "oom": "torch.OutOfMemoryError at the start of step S, and again each time it runs, while a micro-batch holds more than "
+    "`rows` sequences (the most the rank's memory holds; real=1 on a GPU: a real over-allocation)",
     "hang": "the rank sleeps `seconds` before the step's first collective, while the others wait inside it",
     "deadlock": "a thread of the rank holds the GIL for `seconds`: no Python thread of the process runs",
     "crash": "the rank is killed (SIGKILL) at the start of step S",
     "segfault": "the rank reads address 0 (SIGSEGV) at the start of step S",
     "straggler": "the rank sleeps `ms` at the start of each of steps S..S+K-1",
-    "slow_comm": "the rank waits `ms` before each collective the trainer issues, at steps S..S+K-1",
+    "late_collective": "the rank waits `ms` before each collective the trainer issues, at steps S..S+K-1",
     "ckpt_corrupt": "bytes flipped in a shard of the newest complete checkpoint, at the start of step S (by rank 0)",
 }
 # Which fields each kind takes besides step and steps.
@@ -34,13 +35,13 @@ _KIND_FIELDS = {
     "inf": ("rank", "into"),
     "spike": ("lr", "data"),
     "data_corrupt": (),
-    "oom": ("rank", "real"),
+    "oom": ("rank", "rows", "real"),
     "hang": ("rank", "seconds"),
     "deadlock": ("rank", "seconds"),
     "crash": ("rank",),
     "segfault": ("rank",),
     "straggler": ("rank", "ms"),
-    "slow_comm": ("rank", "ms"),
+    "late_collective": ("rank", "ms"),
     "ckpt_corrupt": (),
 }
 TARGETS = ("loss", "grad", "param")
@@ -53,10 +54,11 @@ class Fault:
     rank: int | None = None  # None: every rank
     steps: int = 1  # how many consecutive steps it hits, from `step`
     seconds: int = 3600  # hang, deadlock: how long the rank is stuck
-    ms: int = 200  # straggler, slow_comm: the delay
+    ms: int = 200  # straggler, late_collective: the delay
     into: str = "loss"  # nan, inf: loss | grad | param
     lr: float = 0.0  # spike: multiply the LR by this (0: no LR surge)
     data: int = 1  # spike: 1 replaces the batches with random bytes, 0 leaves them
+    rows: int = 1  # oom: the largest micro-batch (sequences) that fits; a larger one runs out of memory
     real: int = 0  # oom: 1 allocates more than the GPU holds instead of raising
 
     def __str__(self) -> str:

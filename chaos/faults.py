@@ -10,8 +10,10 @@ clean (a real transient fault does not come back either). The firing rank leaves
 RUN_DIR/chaos/ before it acts, so even a fault that kills the process is not repeated after torchrun
 restarts it, and appends a line to RUN_DIR/chaos/injected.jsonl (what, where, when) for drills to read.
 What is not transient has no marker: the batches that `spike` and `data_corrupt` poison (only
-skipping them gets rid of them), and `straggler` and `slow_comm`, properties of a machine for a span
-of steps. A spike's LR surge is transient: it fires once, like the rest.
+skipping them gets rid of them), and `straggler`, `late_collective` and `oom`, properties of a machine for a
+span of steps (an out-of-memory fault is a memory that holds `rows` sequences: the step runs out again
+whenever it runs with more, so only a smaller micro-batch gets past it). A spike's LR surge is transient:
+it fires once, like the rest.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from keel.monitor.run_dir import CHAOS_DIR, FAULT_REQUEST_DIR, INJECTED_FILE, MA
 
 NONFINITE = {"nan": float("nan"), "inf": float("inf")}
 # Faults tied to a machine: no fire-once marker (see the module docstring; data faults never look one up).
-_PERSISTENT = ("data_corrupt", "straggler", "slow_comm")
+_PERSISTENT = ("data_corrupt", "straggler", "late_collective", "oom")
 
 
 class FaultPlan:
@@ -120,10 +122,13 @@ class FaultPlan:
                 self._fire(fault, f"lr x{fault.lr:g}")
         return scale
 
-    def at_step_start(self, parts: list[torch.nn.Module], settle_checkpoints: Callable[[], None] = lambda: None) -> None:
+    def at_step_start(
+        self, parts: list[torch.nn.Module], microbatch_rows: int, settle_checkpoints: Callable[[], None] = lambda: None
+    ) -> None:
         """Hook at the start of a step, before its first collective: the faults that hit the process,
-        the parameters and the checkpoint folder. `settle_checkpoints` waits for this rank's save in
-        flight: ckpt_corrupt damages the newest checkpoint as it ends up on disk, not the one before it
+        the parameters and the checkpoint folder. `microbatch_rows` is the step's micro-batch in
+        sequences (what an oom fault's memory must hold). `settle_checkpoints` waits for this rank's save
+        in flight: ckpt_corrupt damages the newest checkpoint as it ends up on disk, not the one before it
         (a background save finishing after the flip would hide the fault from the next load)."""
         for fault in self._due("straggler"):
             self._fire(fault)
@@ -139,8 +144,11 @@ class FaultPlan:
                 self._fire(fault, _flip_newest_checkpoint(self.run_dir))
             self._spend(fault)
         for fault in self._due("oom", "crash", "segfault", "hang", "deadlock"):
-            self._fire(fault)
-            self._spend(fault)
+            if fault.kind == "oom" and microbatch_rows <= fault.rows:
+                continue  # the micro-batch fits the fault's memory
+            self._fire(fault, f"micro-batch of {microbatch_rows} sequences" if fault.kind == "oom" else "")
+            if fault.kind != "oom":  # the step runs again after an OOM, and must run out again if it still does not fit
+                self._spend(fault)
             if fault.kind == "crash":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind == "segfault":
@@ -173,9 +181,9 @@ class FaultPlan:
 
     def before_collective(self) -> None:
         """Hook before each collective the trainer issues itself (gradient norm, replicated gradients,
-        step metrics): slow_comm delays it. Collectives inside FSDP and the pipeline schedule have no
+        step metrics): late_collective delays it. Collectives inside FSDP and the pipeline schedule have no
         hook point without patching torch, so they run at full speed."""
-        for fault in self._due("slow_comm"):
+        for fault in self._due("late_collective"):
             self._fire(fault)
             time.sleep(fault.ms / 1000)
 

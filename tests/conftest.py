@@ -77,7 +77,7 @@ def collective_drill(tmp_path_factory) -> tuple[int, dict, Path, str]:
     """A drill of a 3D-parallel job (pp2 dp2 tp2): a hang, a crash and slow communication on rank 7. Its
     runs hold what a user sees after such faults (a watchdog kill and torchrun's restart, a straggler);
     the drill and dashboard tests share it."""
-    args = ("--config", "tiny", "--pp=2", "--dp=2", "--tp=2", "--faults=hang;crash;slow_comm", "--drill-steps=16", "--fault-step=9",
+    args = ("--config", "tiny", "--pp=2", "--dp=2", "--tp=2", "--faults=hang;crash;late_collective", "--drill-steps=16", "--fault-step=9",
             "--checkpoint-every=4")  # fmt: skip
     return drill(tmp_path_factory.mktemp("drill") / "job", *args)
 

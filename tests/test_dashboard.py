@@ -220,8 +220,8 @@ def test_run_page_of_a_hang_and_restart_marks_both_and_covers_every_rank(drill_r
 
 
 def test_run_page_rings_the_straggler_the_detector_named(drill_runs, monkeypatch):
-    app = _run_page(drill_runs, "slow_comm", monkeypatch)
-    named = read_events(drill_runs / "slow_comm").query("kind == 'straggler'")
+    app = _run_page(drill_runs, "late_collective", monkeypatch)
+    named = read_events(drill_runs / "late_collective").query("kind == 'straggler'")
     assert 7 in set(named["rank"])  # the slow rank; a busy machine can get others named too
     _, rings = _layers(_charts(app)["communication time (s)"], "first_step")
     assert sorted(zip(rings.step, rings["rank"])) == sorted(zip(named.step.astype(int), named["rank"].astype(int)))
@@ -243,7 +243,7 @@ def test_drills_page_shows_the_verdicts_and_the_plot(collective_drill, monkeypat
     listed = app.dataframe[0].value
     assert listed.drill.tolist() == [f"job/{folder.name}"] and listed.result.tolist() == ["PASS"]
     verdicts = app.dataframe[1].value.set_index("drill")
-    assert list(verdicts.index) == ["hang", "crash", "slow_comm"]
+    assert list(verdicts.index) == ["hang", "crash", "late_collective"]
     for r in report["results"]:
         row = verdicts.loc[r["name"]]
         assert row["detected by"] == r["detected_by"] and row["steps lost"] == r["steps_lost"]

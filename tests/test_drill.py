@@ -55,11 +55,11 @@ def test_collective_faults_recover_at_pp2_dp2_tp2(collective_drill):
     code, report, folder, output = collective_drill
     results = by_name(report)
     assert code == 0 and report["passed"], output[-4000:]
-    for name in ("hang", "crash", "slow_comm"):
+    for name in ("hang", "crash", "late_collective"):
         r = results[name]
         assert r["status"] == "pass" and r["loss_max_rel_diff"] == 0 and "rank=7" in r["faults"][0], r
     assert results["hang"]["detected_by"] == "hang" and results["crash"]["detected_by"] == "restart"
-    assert results["slow_comm"]["detected_by"] == "straggler" and results["slow_comm"]["steps_lost"] == 0
+    assert results["late_collective"]["detected_by"] == "straggler" and results["late_collective"]["steps_lost"] == 0
     # Every rank left its stacks; the stuck rank's shows where it stopped: before the step's first collective.
     hang_run = folder / "runs" / "hang"
     dumps = sorted((hang_run / "dumps").glob("hang-attempt0-step9-rank*.txt"))

@@ -33,7 +33,7 @@ from keel.trainer.data import BatchSampler
         "crash@step=11,rank=5",
         "segfault@step=3",
         "straggler@step=3,rank=1,steps=12,ms=300",
-        "slow_comm@step=2,rank=7,steps=10,ms=50",
+        "late_collective@step=2,rank=7,steps=10,ms=50",
         "ckpt_corrupt@step=12",
     ],
 )
@@ -75,11 +75,11 @@ def test_nonfinite_faults_hit_the_parameter_the_gradient_and_every_micro_batch_l
     model = torch.nn.Linear(4, 4)
     plan = FaultPlan([parse_fault("nan@step=2,into=param"), parse_fault("inf@step=3,into=grad"), parse_fault("nan@step=4")], 0, tmp_path)
     plan.begin_step(1)
-    plan.at_step_start([model])
+    plan.at_step_start([model], microbatch_rows=1)
     assert torch.isfinite(model.weight).all()
     plan.end_step()
     plan.begin_step(2)
-    plan.at_step_start([model])
+    plan.at_step_start([model], microbatch_rows=1)
     assert torch.isnan(model.weight).any() and [f.into for f in plan.fired] == ["param"]
     plan.end_step()
     with torch.no_grad():
@@ -137,7 +137,7 @@ def test_ckpt_corrupt_flips_bytes_of_the_newest_complete_checkpoint(tmp_path):
     (tmp_path / "checkpoints" / ".tmp-step-00000012").mkdir()  # a save in flight is not touched
     plan = FaultPlan([parse_fault("ckpt_corrupt@step=10")], rank=0, run_dir=tmp_path)
     plan.begin_step(10)
-    plan.at_step_start([])
+    plan.at_step_start([], microbatch_rows=1)
     assert (tmp_path / "checkpoints" / "step-00000004" / "__0_0.distcp").read_bytes() == bytes(range(256)) * 4
     changed = (tmp_path / "checkpoints" / "step-00000008" / "__0_0.distcp").read_bytes()
     assert sum(a != b for a, b in zip(changed, bytes(range(256)) * 4)) == 16
@@ -157,7 +157,7 @@ def test_ckpt_corrupt_waits_for_the_save_in_flight_and_flips_that_one(tmp_path):
     write_checkpoint(15)
     plan = FaultPlan([parse_fault("ckpt_corrupt@step=22")], rank=0, run_dir=tmp_path)
     plan.begin_step(22)
-    plan.at_step_start([], settle_checkpoints=lambda: write_checkpoint(20))  # the save of step 20 lands
+    plan.at_step_start([], microbatch_rows=1, settle_checkpoints=lambda: write_checkpoint(20))  # the save of step 20 lands
     assert (tmp_path / "checkpoints" / "step-00000015" / "__0_0.distcp").read_bytes() == shard
     changed = (tmp_path / "checkpoints" / "step-00000020" / "__0_0.distcp").read_bytes()
     assert sum(a != b for a, b in zip(changed, shard)) == 16
@@ -199,3 +199,16 @@ def test_inject_checks_the_run_and_leaves_a_request_the_plan_takes(tmp_path):
     plan = FaultPlan([], rank=1, run_dir=tmp_path)
     plan.begin_step(5)  # taken late: it fires now
     assert [str(f) for f in plan.faults] == ["hang@step=5,rank=1,seconds=5"]
+
+
+def test_an_oom_fault_is_a_memory_that_holds_rows_sequences(tmp_path):
+    """It runs out again each time the step runs with a larger micro-batch: a plain retry does not get past it."""
+    plan = FaultPlan([parse_fault("oom@step=6,rows=2")], rank=0, run_dir=tmp_path)
+    plan.begin_step(6)
+    for rows in (8, 8, 4):  # the step and its retries, the micro-batch halved after the second
+        with pytest.raises(torch.OutOfMemoryError):
+            plan.at_step_start([], microbatch_rows=rows)
+    plan.at_step_start([], microbatch_rows=2)  # fits: the step runs
+    assert [f.kind for f in plan.fired] == ["oom"]
+    plan.begin_step(7)
+    plan.at_step_start([], microbatch_rows=8)  # the fault's span (steps=1) is over

@@ -142,12 +142,15 @@ def test_spike_without_data_skip_hits_the_rollback_cap(tmp_path):
     assert "run_finished" not in kinds(run_dir)
 
 
-def test_oom_in_one_process_halves_the_micro_batch_in_place(tmp_path):
+def test_oom_in_one_process_halves_the_micro_batch_in_place_until_it_fits(tmp_path):
     ref = train(tmp_path / "ref", *TINY, "--training.microbatches=4")
     run_dir = tmp_path / "run"
-    run = train(run_dir, *TINY, "--training.microbatches=2", "--fault", "oom@step=6")
-    oom = events_of(run_dir, "oom").iloc[0]
-    assert oom["data"] == {"microbatches": 4, "previous": 2, "how": "in process"}
+    # 8 sequences per micro-batch; the fault's memory holds 2, so the step must run out twice more.
+    run = train(run_dir, *TINY, "--training.microbatches=1", "--fault", "oom@step=6,rows=2")
+    assert events_of(run_dir, "oom")["data"].tolist() == [
+        {"microbatches": 2, "previous": 1, "how": "in process"},
+        {"microbatches": 4, "previous": 2, "how": "in process"},
+    ]
     assert list(run.step) == list(range(1, 21)) and list(run.tokens) == list(ref.tokens)  # global batch unchanged
     np.testing.assert_allclose(run.loss, ref.loss, rtol=1e-5)
 
@@ -155,8 +158,11 @@ def test_oom_in_one_process_halves_the_micro_batch_in_place(tmp_path):
 def test_oom_with_collectives_restarts_with_half_the_micro_batch(tmp_path):
     ref = train(tmp_path / "ref", *TINY, "--dp", "2", "--training.microbatches=2", "--checkpoint.interval_steps=4")
     run_dir = tmp_path / "run"
-    run = train(run_dir, *TINY, "--dp", "2", "--training.microbatches=1", "--checkpoint.interval_steps=4", "--fault", "oom@step=6,rank=1")
-    oom = events_of(run_dir, "oom").iloc[0]
+    # 4 sequences per dp rank in one micro-batch; rank 1's memory holds 2: a restart that did not halve it would run out again.
+    run = train(
+        run_dir, *TINY, "--dp", "2", "--training.microbatches=1", "--checkpoint.interval_steps=4", "--fault", "oom@step=6,rank=1,rows=2"
+    )
+    [oom] = events_of(run_dir, "oom").to_dict("records")
     assert oom["rank"] == 1 and oom["data"]["microbatches"] == 2 and oom["data"]["how"] == "coordinated restart"
     assert list(run.step) == list(range(1, 21)) and list(run.tokens) == list(ref.tokens)
     after = run.step > 4  # resumed from the checkpoint of step 4 with two micro-batches
