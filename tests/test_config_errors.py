@@ -37,7 +37,7 @@ CASES = {
     "unknown schedule": (["--pp", "2", "--parallel.pp_schedule=ZeroBubble"], ["parallel.pp_schedule", "GPipe"]),
     "unknown preset": (["--model.preset=13b"], ["model.preset", "tiny"]),
     "missing config file": (["--config", "nope.toml"], ["--config nope.toml", "file not found"]),
-    "nodes do not split the processes": (["--dp", "2", "--nnodes", "3"], ["--nnodes=3", "do not split"]),
+    "nodes do not split the processes": (["--dp", "2", "--nnodes", "3", "--rdzv-id=r"], ["--nnodes=3", "do not split"]),
     "unknown fault": (["--fault", "melt@step=3"], ["chaos.faults", "unknown fault 'melt'", "choose one of"]),
     "fault without step": (["--fault", "crash@rank=1"], ["chaos.faults", "has no step"]),
     "spike baseline larger than window": (["--spike.min_baseline=500"], ["spike.min_baseline=500", "spike.window=128"]),
@@ -70,6 +70,12 @@ def test_bad_config_is_one_line_before_any_worker(case, tmp_path):
     proc = keel("train", "--config", "tiny", "--run-dir", str(run_dir), *args)
     assert_one_line_error(proc, expected)
     assert not run_dir.exists(), "the run directory is made only once the job is valid"
+
+
+def test_nodes_without_a_run_dir_or_rendezvous_id_would_write_runs_of_their_own(tmp_path):
+    proc = keel("train", "--config", "tiny", "--dp", "2", "--nnodes", "2", cwd=tmp_path)
+    assert_one_line_error(proc, ["--nnodes=2 without --run-dir", "the same --rdzv-id"])
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_missing_data_file(tmp_path):

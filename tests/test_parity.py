@@ -25,7 +25,34 @@ LAYOUTS = {
     "dp2-zero2": ["--dp", "2", "--parallel.dp_mode=zero2"],
     "dp2-tp2-replicate": ["--dp", "2", "--tp", "2", "--parallel.dp_mode=replicate"],
     "pp2-dp2-tp2": ["--pp", "2", "--dp", "2", "--tp", "2"],
+    # Combinations of the above: each schedule and data-parallel mode beside the other dimensions.
+    "pp2-dp2-tp2-interleaved-v2": [
+        "--pp=2",
+        "--dp=2",
+        "--tp=2",
+        "--parallel.pp_schedule=Interleaved1F1B",
+        "--parallel.pp_virtual_stages=2",
+        "--training.microbatches=4",
+    ],
+    "pp2-dp2-tp2-zero2": ["--pp", "2", "--dp", "2", "--tp", "2", "--parallel.dp_mode=zero2"],
+    "pp2-dp2-replicate": ["--pp", "2", "--dp", "2", "--parallel.dp_mode=replicate"],
+    "pp2-dp2-gpipe": ["--pp", "2", "--dp", "2", "--parallel.pp_schedule=GPipe"],
 }
+
+
+# The largest relative difference from the single-process run over the 20 steps, (loss, grad norm), as
+# measured on 2026-12-01 (2-core x86-64, one thread per process). Each tolerance is 10x that, and at
+# least 1e-12 where the layout was bit-identical: pipeline stages alone change no sum.
+MEASURED = {
+    "dp2": (1.07e-7, 2.15e-7), "tp2": (9.26e-8, 5.93e-7), "pp2-1F1B": (0.0, 1.93e-16), "pp2-interleaved-v2": (1.85e-7, 3.11e-7),
+    "pp2-gpipe": (0.0, 1.93e-16), "dp2-zero2": (1.07e-7, 2.15e-7), "dp2-tp2-replicate": (1.07e-7, 4.47e-7),
+    "pp2-dp2-tp2": (1.07e-7, 4.47e-7), "pp2-dp2-tp2-interleaved-v2": (1.14e-7, 4.55e-7), "pp2-dp2-tp2-zero2": (1.07e-7, 4.47e-7),
+    "pp2-dp2-replicate": (1.07e-7, 2.15e-7), "pp2-dp2-gpipe": (1.07e-7, 2.15e-7),
+}  # fmt: skip
+
+
+def tolerance(measured: float) -> float:
+    return max(10 * measured, 1e-12)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -33,8 +60,9 @@ def test_layout_matches_single_process(name, tmp_path, reference_run):
     run = train(tmp_path / "run", "--config", "tiny", *LAYOUTS[name])
     ref = reference_run
     assert list(run.step) == list(ref.step) == list(range(1, 21))
-    np.testing.assert_allclose(run.loss, ref.loss, rtol=1e-4, atol=0, err_msg=f"{name}: loss")
-    np.testing.assert_allclose(run.grad_norm, ref.grad_norm, rtol=1e-3, atol=0, err_msg=f"{name}: grad_norm")
+    loss_rtol, grad_rtol = (tolerance(m) for m in MEASURED[name])
+    np.testing.assert_allclose(run.loss, ref.loss, rtol=loss_rtol, atol=0, err_msg=f"{name}: loss")
+    np.testing.assert_allclose(run.grad_norm, ref.grad_norm, rtol=grad_rtol, atol=0, err_msg=f"{name}: grad_norm")
     # Communication is measured on the sampled steps (2 and 12) and is never zero with two ranks.
     sampled = run[run.comm_share.notna()]
     assert list(sampled.step) == [2, 12]
@@ -44,9 +72,9 @@ def test_layout_matches_single_process(name, tmp_path, reference_run):
     assert run.loss.iloc[-1] < run.loss.iloc[0] - 1.0
 
 
-def test_single_process_metrics(reference_run, reference_dir):
-    """One process has no communication at all, and MFU is a fraction of a measured peak."""
-    assert (reference_run.comm_share == 0).all()
+def test_single_process_mfu_is_a_fraction_of_the_measured_peak(reference_run, reference_dir):
+    """MFU is a fraction of the peak measured on this machine; tokens count the global batch. (comm_share
+    is tested against a known wait in tests/test_comm_share.py.)"""
     assert ((reference_run.mfu > 0) & (reference_run.mfu <= 1)).all()
     meta = read_meta(reference_dir)
     assert meta["mfu_basis"].startswith("cpu matmul calibration")

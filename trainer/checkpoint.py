@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -234,6 +235,9 @@ class Checkpointer:
             self._finalized.set()
 
     def _seal(self, step: int, tmp: Path, final: Path, train_state: dict) -> None:
+        missing = missing_shards(tmp)
+        if missing:
+            raise FileNotFoundError(f"{tmp}: shards {', '.join(missing)} named by the checkpoint's metadata are missing")
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         manifest = {"step": step, "time": time.time(), **self.manifest_info, "train_state": train_state, "files": files}
         with open(tmp / MANIFEST, "w") as f:
@@ -342,6 +346,14 @@ class Checkpointer:
                     shutil.rmtree(p, ignore_errors=True)
                     removed.append(p.name)
         return removed
+
+
+def missing_shards(folder: Path) -> list[str]:
+    """The shard files DCP's metadata in `folder` names that are not there. A save with one missing must
+    not be sealed: a rank that wrote elsewhere (another run directory, say) would otherwise leave a
+    checkpoint whose manifest verifies and which cannot load."""
+    named = {item.relative_path for item in FileSystemReader(folder).read_metadata().storage_data.values()}
+    return sorted(named - {p.name for p in folder.iterdir()})
 
 
 def manifest_info(cfg: JobConfig, data_version: str) -> dict:

@@ -155,6 +155,19 @@ def resolve_run_dir(cfg: JobConfig) -> None:
         cfg.run.run_dir = str(Path("runs") / cfg.run.run_id)
 
 
+def name_multi_node_run(cfg: JobConfig, opts: argparse.Namespace) -> None:
+    """Every node's launcher must name the same run: without --run-dir each would make up its own, and the
+    ranks would write their shards and logs to different directories. The rendezvous id names it."""
+    if opts.nnodes == 1 or cfg.run.run_dir or cfg.run.run_id:
+        return
+    if not opts.rdzv_id:
+        raise ConfigError(
+            f"--nnodes={opts.nnodes} without --run-dir: each node would write a run directory of its own; "
+            "give every node the same --run-dir (on a shared filesystem) or the same --rdzv-id"
+        )
+    cfg.run.run_id = opts.rdzv_id
+
+
 def torchrun_command(cfg: JobConfig, opts: argparse.Namespace, worker_argv: list[str], module: str = "keel.trainer.train") -> list[str]:
     if cfg.world_size % opts.nnodes:
         raise ConfigError(f"--nnodes={opts.nnodes}: pp*dp*tp={cfg.world_size} processes do not split evenly over the nodes")
@@ -173,6 +186,7 @@ def torchrun_command(cfg: JobConfig, opts: argparse.Namespace, worker_argv: list
 def main(argv: list[str]) -> int:
     try:
         cfg, opts = parse_train_args(argv)
+        name_multi_node_run(cfg, opts)
         resolve_run_dir(cfg)
         check_run_dir(cfg.run.run_dir)
         check_free(cfg.run.run_dir)  # a trainer still on this run (a resume beside it) is refused here

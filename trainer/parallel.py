@@ -5,6 +5,7 @@ file only decides how the Llama blocks map onto it.
 
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -22,6 +23,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from keel.trainer.config import DataParallelMode, JobConfig
 from keel.trainer.model import Transformer
 from keel.trainer.model_args import ModelArgs
+
+# The train loop's logger: the stages built belong to its start-up story in the rank logs.
+log = logging.getLogger("keel.train")
 
 
 @dataclass
@@ -135,6 +139,7 @@ def build_model_parts(cfg: JobConfig, args: ModelArgs, layout: Layout, device: t
     parts = []
     for stage in stage_ids(cfg, layout.pp_rank):
         model = build_stage_model(args, cfg, stage, device)
+        log.info("pipeline stage %d built: %d parameters", stage, sum(p.numel() for p in model.parameters()))
         if layout.tp > 1:
             apply_tensor_parallel(model, layout.mesh["tp"])
         if uses_fsdp(cfg):

@@ -1,0 +1,24 @@
+"""The FLOPs behind MFU come from the model Keel builds: every preset's parameter count, taken from the
+modules themselves (built on the meta device, so 405B costs nothing), equals the analytic count, and
+flops_per_token is 6 x the matmul parameters + attention's 12·layers·dim·seq (PaLM, appendix B)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keel.trainer.model import Transformer
+from keel.trainer.model_args import MODEL_PRESETS, count_params, flops_per_token
+
+SEQ_LEN = 2048
+
+
+@pytest.mark.parametrize("preset", MODEL_PRESETS)
+def test_flops_per_token_counts_the_built_models_parameters(preset):
+    args = MODEL_PRESETS[preset]
+    with torch.device("meta"):
+        model = Transformer(args)
+    built = sum(p.numel() for p in model.parameters())
+    lookup = model.tok_embeddings.weight.numel()  # an embedding is a lookup, not a matmul
+    assert count_params(args) == (built, lookup)
+    assert flops_per_token(args, SEQ_LEN) == 6 * (built - lookup) + 12 * args.n_layers * args.dim * SEQ_LEN
