@@ -165,10 +165,11 @@ def main() -> None:
     for mode in MODES[1:]:
         ratios = sorted(b / o for o, b in zip(step_s["off"], step_s[mode]))
         ratio = statistics.median(ratios)
-        verdict = "holds" if ratio - 1 <= TARGET else "MISSED"
+        # The target is for the defaults; logging every step is a user's choice, reported.
+        verdict = f"target <= {TARGET:.0%}: {'holds' if ratio - 1 <= TARGET else 'MISSED'}" if mode == "on" else "reported"
         print(f"{mode}: {statistics.median(step_s[mode]) * 1e3:.2f} ms/step against off {statistics.median(step_s['off']) * 1e3:.2f}; "
               f"overhead {ratio - 1:+.2%} (median of round ratios; range {ratios[0] - 1:+.2%} .. {ratios[-1] - 1:+.2%}); "
-              f"target <= {TARGET:.0%}: {verdict}")  # fmt: skip
+              f"{verdict}")  # fmt: skip
     cpu = statistics.median(sink_cpu)
     print(
         f"CPU of the sink threads: {cpu * 1e6:.0f} us per step = {cpu / statistics.median(step_s['off']):.2%} of a step (W&B's own service process not included)"
