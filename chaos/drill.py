@@ -270,13 +270,12 @@ class DrillRunner:
 
 
 def expand(drill: Drill, setup: DrillSetup, step_time_s: float) -> list[str]:
-    training = setup.cfg.training
     values = {
         "S": setup.fault_step,
         "R": setup.fault_rank,
         "K": setup.cfg.recovery.nonfinite_limit,
         "MS": max(50, round(2000 * step_time_s)),  # twice a step: a slowdown the straggler score must see
-        "ROWS": max(1, training.global_batch_size // setup.cfg.parallel.dp // training.microbatches // 2),
+        "ROWS": max(1, setup.cfg.microbatch_rows // 2),
     }
     return [t.format(**values) for t in drill.faults]
 

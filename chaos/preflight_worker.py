@@ -256,7 +256,7 @@ def activation_bytes(cfg: JobConfig) -> int:
     no sequence parallelism), doubled for fp32. A pipeline's first stage holds min(micro-batches, pp) of them
     under 1F1B (interleaved counted alike) and all of them under GPipe; plus the logits and their gradient."""
     par, tr, args = cfg.parallel, cfg.training, model_args(cfg)
-    s, b, d, h, t = cfg.data.seq_len, tr.global_batch_size // (par.dp * tr.microbatches), args.dim, args.n_heads, par.tp
+    s, b, d, h, t = cfg.data.seq_len, cfg.microbatch_rows, args.dim, args.n_heads, par.tp
     per_layer = 2 * s * b * d * (10 + 24 / t + 5 * h * s / (d * t))
     in_flight = 1 if par.pp == 1 else tr.microbatches if par.pp_schedule == "GPipe" else min(tr.microbatches, par.pp)
     logits = 2 * 4 * s * b * args.vocab_size

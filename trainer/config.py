@@ -274,6 +274,11 @@ class JobConfig:
     def world_size(self) -> int:
         return self.parallel.pp * self.parallel.dp * self.parallel.tp
 
+    @property
+    def microbatch_rows(self) -> int:
+        """Sequences in one micro-batch of one dp rank."""
+        return self.training.global_batch_size // self.parallel.dp // self.training.microbatches
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 

@@ -272,8 +272,9 @@ class Trainer:
         """Forward, backward and the gradient collectives, then the update unless a loss or gradient is
         not finite on some rank. Returns (this rank's loss, the global grad norm, whether the update was skipped)."""
         cfg, parts, faults = self.cfg, self.parts, self.faults
-        rows = cfg.training.global_batch_size // cfg.parallel.dp // cfg.training.microbatches
-        faults.at_step_start(parts, rows, self.checkpointer.wait)  # chaos hook points: the process, the parameters, the checkpoints
+        faults.at_step_start(
+            parts, cfg.microbatch_rows, self.checkpointer.wait
+        )  # chaos hook points: the process, the parameters, the checkpoints
         loss = forward_backward(cfg, parts, self.schedule, self.layout, inputs, targets, self.autocast, self.step_loss)
         faults.corrupt_grads(parts)
         if cfg.parallel.dp > 1 and cfg.parallel.dp_mode == "replicate":
