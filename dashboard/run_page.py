@@ -162,6 +162,9 @@ def _rank_charts(ranks: pd.DataFrame, stragglers: pd.DataFrame, steps: tuple[int
     heat, memory = st.columns([4, 1])
     with heat:
         for metric, title in (("step_time_s", "step time (s)"), ("comm_time_s", "communication time (s)")):
+            if ranks[metric].isna().all():  # an empty heatmap with a "NaN" colour scale reads as broken
+                st.caption(f"{title}: not measured in this step range (a single process does not communicate).")
+                continue
             st.vega_lite_chart(spec=rank_heatmap(ranks, stragglers, metric, title, steps, _rank_rows(ranks)), key=f"heatmap-{metric}")
     with memory:
         peak = ranks.groupby("rank", as_index=False).mem_peak_bytes.max()

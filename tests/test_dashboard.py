@@ -113,6 +113,9 @@ def test_run_page_lists_checkpoints_goodput_and_the_config(spike_run, monkeypatc
     [bars] = _charts(app)["where the time went (s)"]
     assert dict(zip(bars["where"], bars.seconds))["recomputed"] == pytest.approx(goodput["lost_s"]["recomputed"], rel=1e-6)
     assert 'preset = "tiny"' in app.code[0].value and "interval_steps = 10" in app.code[0].value
+    # One process measures no communication: said in words, not drawn as an empty heatmap.
+    assert "communication time (s)" not in _charts(app)
+    assert any(c.value.startswith("communication time (s): not measured") for c in app.caption)
 
 
 def test_run_page_step_range_shows_every_step_of_it_and_stays_in_the_url(spike_run, monkeypatch):
