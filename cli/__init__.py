@@ -15,6 +15,7 @@ commands:
   inject         ask a running job to inject a fault at its next step (keel inject RUN_DIR FAULT)
   preflight      check ranks, links, checkpoint disk, memory and an overfit before a long job (keel preflight --help)
   dashboard      watch runs live in the browser (keel dashboard [RUNS_DIR ...] [--host] [--port] [--read-only])
+  alert-rules    write the Prometheus alerting rules with your windows and thresholds (keel alert-rules --help)
   prepare-data   make a uint16 token file from text files (keel prepare-data OUT.bin FILES...)
 """
 
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         from keel.chaos.preflight import main as run
     elif command == "dashboard":
         from keel.dashboard.launch import main as run
+    elif command == "alert-rules":
+        from keel.monitor.alert_rules import main as run
     elif command == "prepare-data":
         from keel.trainer.data import prepare_data_main as run
     else:

@@ -1,8 +1,10 @@
 """Keel's metric vocabulary: every exported metric's name, type, unit and help text, in one place.
 
 Names follow the Prometheus naming guide: a `keel_` prefix, base units (seconds, bytes, ratios
-0..1), `_total` on counters. Every series carries the `run_id` label; per-rank series add `rank`.
-The run store's columns map onto these names; events of some kinds count into the counters.
+0..1), `_total` on counters. Every series carries the `run_id` label; per-rank series add `rank` (and
+`stage`, the pipeline stage, where ranks are compared with their peers). The run store's columns map
+onto these names; events of some kinds count into the counters. The alerting rules
+(`keel.monitor.alert_rules`) query these names and no others.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ class MetricSpec:
     kind: str  # gauge | counter | histogram
     unit: str
     help: str
-    source: str = ""  # the step-row column a gauge reads, or the event kind a counter counts
+    source: str = ""  # the step-row or rank-row column a gauge reads, or the event kind a counter counts
+    labels: tuple[str, ...] = ("run_id",)
 
 
 GAUGES = (
@@ -32,8 +35,30 @@ GAUGES = (
     MetricSpec("keel_attempt", "gauge", "", "Attempt of the last step (raised by each rollback or restart).", "attempt"),
     MetricSpec("keel_last_step_timestamp_seconds", "gauge", "seconds", "Unix time at which the last step completed.", "time"),
     MetricSpec("keel_memory_peak_bytes", "gauge", "bytes", "Peak memory of the busiest rank.", "mem_peak_bytes"),
-    MetricSpec("keel_rank_step_duration_seconds", "gauge", "seconds", "Duration of the last step on each rank.", "step_time_s"),
 )
+
+# Per-rank gauges, from the rank rows. In synchronous training every rank's step takes the same wall time
+# (the fast ranks wait for the slow one inside the collectives), so only busy time names a straggler.
+RANK_STEP_DURATION = MetricSpec(
+    "keel_rank_step_duration_seconds", "gauge", "seconds", "Duration of the last step on each rank.", "step_time_s", ("run_id", "rank")
+)
+RANK_BUSY = MetricSpec(
+    "keel_rank_busy_seconds",
+    "gauge",
+    "seconds",
+    "Busy time of each rank in the last step whose communication was measured: step time minus exposed "
+    "communication (the time it waited on other ranks). Compare ranks of the same pipeline stage.",
+    "busy_s",
+    ("run_id", "rank", "stage"),
+)
+RANK_GAUGES = (RANK_STEP_DURATION, RANK_BUSY)
+
+# 1 once the run has ended on purpose (finished, or stopped by the rollback cap), while its exporter
+# lingers: a run that ended is not stalled.
+RUN_ENDED = MetricSpec(
+    "keel_run_ended", "gauge", "", "1 once the run has finished or stopped (its exporter may linger), 0 while it trains."
+)
+RUN_ENDED_EVENTS = ("run_finished", "run_stopped")  # the event kinds that set it
 
 STEP_DURATION = MetricSpec(
     "keel_step_duration_seconds", "histogram", "seconds", "Duration of training steps (slowest rank).", "step_time_s"
@@ -57,4 +82,4 @@ COUNTERS = (
     MetricSpec("keel_alerts_total", "counter", "", "Alerts raised by Keel, by kind and severity.", "alert"),
 )
 
-ALL = GAUGES + (STEP_DURATION,) + COUNTERS
+ALL = GAUGES + RANK_GAUGES + (RUN_ENDED, STEP_DURATION) + COUNTERS

@@ -48,31 +48,29 @@ def start_exporter(registry: CollectorRegistry, host: str, port: int):
 class PrometheusSink:
     name = "prometheus"
 
-    def __init__(self, run_id: str, host: str = "127.0.0.1", port: int = 9400, pushgateway_url: str = ""):
-        self.run_id, self.pushgateway_url = run_id, pushgateway_url
+    def __init__(self, run_id: str, host: str = "127.0.0.1", port: int = 9400, pushgateway_url: str = "", pipeline_stages: int = 1):
+        self.run_id, self.pushgateway_url, self.pipeline_stages = run_id, pushgateway_url, pipeline_stages
         self.registry = KeelRegistry()
-        self.gauge_families = {
-            m.source: Gauge(m.name, m.help, ["run_id"], registry=self.registry)
-            for m in metrics.GAUGES
-            if m.name != "keel_rank_step_duration_seconds"
-        }
+        self.gauge_families = {m.source: Gauge(m.name, m.help, m.labels, registry=self.registry) for m in metrics.GAUGES}
         # The labelled children are looked up once, at the first step (.labels() takes a lock and a dict
         # lookup per call). Not before: a gauge would read 0 until then, and a loss of 0 is a lie.
         self.gauges: dict[str, Any] = {}
-        self.rank_step = Gauge(
-            "keel_rank_step_duration_seconds", "Duration of the last step on each rank.", ["run_id", "rank"], registry=self.registry
-        )
-        self.rank_children: dict[int, Any] = {}
+        self.rank_families = {m.source: (m.labels, Gauge(m.name, m.help, m.labels, registry=self.registry)) for m in metrics.RANK_GAUGES}
+        self.rank_children: dict[tuple[str, int], Any] = {}
+        # Present at 0 from the start: the stall rule matches on it with `unless`.
+        ended = metrics.RUN_ENDED
+        self.run_ended = Gauge(ended.name, ended.help, ended.labels, registry=self.registry).labels(run_id)
+        self.run_ended.set(0)
         self.step_duration = Histogram(
             metrics.STEP_DURATION.name,
             metrics.STEP_DURATION.help,
-            ["run_id"],
+            metrics.STEP_DURATION.labels,
             buckets=metrics.STEP_DURATION_BUCKETS,
             registry=self.registry,
         ).labels(run_id)
         self.counters = {}
         for m in metrics.COUNTERS:
-            labels = ["run_id", "kind", "severity"] if m.source == "alert" else ["run_id"]
+            labels = (*m.labels, "kind", "severity") if m.source == "alert" else m.labels
             # prometheus_client adds _total itself; the vocabulary spells the exported name.
             self.counters[m.source] = Counter(m.name.removesuffix("_total"), m.help, labels, registry=self.registry)
             if m.source != "alert":
@@ -88,11 +86,20 @@ class PrometheusSink:
             if value is not None:
                 gauge.set(value)
         self.step_duration.observe(row["step_time_s"])
+        ranks_per_stage = max(1, len(rank_rows) // self.pipeline_stages)  # ranks are laid out stage by stage
         for r in rank_rows:
-            child = self.rank_children.get(r["rank"])
-            if child is None:
-                child = self.rank_children[r["rank"]] = self.rank_step.labels(self.run_id, str(r["rank"]))
-            child.set(r["step_time_s"])
+            self._rank_gauge("step_time_s", r["rank"], ranks_per_stage).set(r["step_time_s"])
+            busy = None if r.get("comm_time_s") is None else r["step_time_s"] - r["comm_time_s"]  # sampled steps only
+            if busy is not None and busy > 0:  # communication that took the whole step says nothing about speed
+                self._rank_gauge("busy_s", r["rank"], ranks_per_stage).set(busy)
+
+    def _rank_gauge(self, source: str, rank: int, ranks_per_stage: int):
+        child = self.rank_children.get((source, rank))
+        if child is None:
+            labels, family = self.rank_families[source]
+            extra = (str(rank // ranks_per_stage),) if "stage" in labels else ()
+            child = self.rank_children[(source, rank)] = family.labels(self.run_id, str(rank), *extra)
+        return child
 
     def on_event(self, event: Event) -> None:
         kind = event["kind"]
@@ -100,6 +107,8 @@ class PrometheusSink:
             self.counters["alert"].labels(self.run_id, event["data"].get("alert", ""), event["severity"]).inc()
         elif kind in self.counters:
             self.counters[kind].labels(self.run_id).inc()
+        elif kind in metrics.RUN_ENDED_EVENTS:
+            self.run_ended.set(1)
 
     def close(self) -> None:
         try:

@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 from servers import MetricsTarget, WebhookReceiver, start_alertmanager, start_prometheus
+
+from keel.monitor import alert_rules, metrics
 
 ALERTING = Path(__file__).resolve().parents[1] / "monitor" / "alerting"
 RULES = ALERTING / "keel-rules.yml"
@@ -87,11 +90,58 @@ def test_rules_are_the_shipped_alerts_with_severity_and_annotations():
     assert by_name["KeelHighCommShare"]["for"] == "15m"
     assert by_name["KeelStraggler"]["for"] == "10m"
     # The rules of thumb.
-    assert "keel_mfu_ratio < 0.30" in by_name["KeelLowMFU"]["expr"]
-    assert "keel_comm_share_ratio > 0.30" in by_name["KeelHighCommShare"]["expr"]
+    assert "keel_mfu_ratio < 0.3\n" in by_name["KeelLowMFU"]["expr"] + "\n"
+    assert "keel_comm_share_ratio > 0.3\n" in by_name["KeelHighCommShare"]["expr"] + "\n"
     assert "<= 0.95" in by_name["KeelThroughputDrop"]["expr"]
-    assert "< 0.75" in by_name["KeelStraggler"]["expr"]
-    assert re.search(r"10 \*.*quantile_over_time\(0\.5, keel_rank_step_duration_seconds\[30m\]\)", by_name["KeelTrainingStalled"]["expr"])
+    # A straggler is judged by busy time within its pipeline stage: step times are equal in synchronous training.
+    assert "< 0.75" in by_name["KeelStraggler"]["expr"] and "keel_rank_busy_seconds[10m]" in by_name["KeelStraggler"]["expr"]
+    assert "keel_rank_step_duration_seconds" not in by_name["KeelStraggler"]["expr"]
+    assert "on (run_id, stage)" in by_name["KeelStraggler"]["expr"]
+    stalled = by_name["KeelTrainingStalled"]["expr"]
+    assert re.search(r"10 \*.*quantile_over_time\(0\.5, keel_rank_step_duration_seconds\[30m\]\)", stalled)
+    assert "unless on (run_id) (max by (run_id) (keel_run_ended) == 1)" in stalled
+
+
+def test_shipped_rules_are_the_generators_defaults():
+    assert RULES.read_text() == alert_rules.render(), "regenerate: keel alert-rules --out monitor/alerting/keel-rules.yml"
+
+
+def test_every_series_the_rules_read_is_in_the_vocabulary():
+    exported = {m.name for m in metrics.ALL} | {metrics.STEP_DURATION.name + suffix for suffix in ("_bucket", "_sum", "_count")}
+    for rule in _load_rules():
+        read = set(re.findall(r"\bkeel_[a-z_]+", rule["expr"]))
+        assert read and read <= exported, f"{rule['alert']} reads {sorted(read - exported)}, which Keel does not export"
+
+
+def test_generated_rules_carry_the_given_parameters_and_pass_promtool(tmp_path):
+    out = tmp_path / "tuned.yml"
+    argv = ["--mfu-threshold", "0.42", "--straggler-for", "90s", "--stall-floor-s", "30", "--throughput-baseline", "2h", "--out", str(out)]
+    assert alert_rules.main(argv) == 0
+    by_name = {r["alert"]: r for r in _yaml().safe_load(out.read_text())["groups"][0]["rules"]}
+    assert "keel_mfu_ratio < 0.42" in by_name["KeelLowMFU"]["expr"] and "below 0.42" in by_name["KeelLowMFU"]["annotations"]["description"]
+    assert by_name["KeelStraggler"]["for"] == "90s"
+    assert "[2h] offset 2h" in by_name["KeelThroughputDrop"]["expr"]
+    assert "30\n" in by_name["KeelTrainingStalled"]["expr"] and "120" not in by_name["KeelTrainingStalled"]["expr"]
+    proc = _run(_tool("promtool"), "check", "rules", str(out))
+    assert proc.returncode == 0 and f"SUCCESS: {len(EXPECTED_ALERTS)} rules found" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--mfu-for", "15x"], "mfu_for='15x': not a positive Prometheus duration; write e.g. 90s, 15m or 1h30m"),
+        (["--spike-window", "0m"], "spike_window='0m': not a positive Prometheus duration"),
+        (["--straggler-score", "1.5"], "straggler_score=1.5: must be a ratio in (0, 1]"),
+        (["--comm-share-threshold", "-0.1"], "comm_share_threshold=-0.1: must be a ratio in (0, 1]"),
+        (["--stall-factor", "0.5"], "stall_factor=0.5: must be at least 1"),
+        (["--stall-floor-s", "0"], "stall_floor_s=0.0: must be positive"),
+    ],
+)
+def test_bad_rule_parameters_get_one_line_naming_the_parameter(argv, message, tmp_path):
+    out = tmp_path / "rules.yml"
+    proc = _run(sys.executable, "-m", "keel.cli", "alert-rules", *argv, "--out", str(out))
+    assert proc.returncode == 2 and not out.exists()
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
 
 
 def test_every_alert_has_a_firing_and_a_silent_unit_test():
@@ -192,6 +242,9 @@ def _exposition(run_id: str, loss: str) -> str:
         f'keel_last_step_timestamp_seconds{{run_id="{run_id}"}} 4102444800',  # in the future: never stalled
         f'keel_rank_step_duration_seconds{{run_id="{run_id}",rank="0"}} 0.5',
         f'keel_rank_step_duration_seconds{{run_id="{run_id}",rank="1"}} 0.52',
+        f'keel_rank_busy_seconds{{run_id="{run_id}",rank="0",stage="0"}} 0.41',
+        f'keel_rank_busy_seconds{{run_id="{run_id}",rank="1",stage="0"}} 0.43',
+        f'keel_run_ended{{run_id="{run_id}"}} 0',
         f'keel_nonfinite_steps_total{{run_id="{run_id}"}} 0',
         f'keel_loss_spikes_total{{run_id="{run_id}"}} 0',
     ]

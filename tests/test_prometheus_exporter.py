@@ -24,7 +24,8 @@ ROW = {
     "mem_peak_bytes": 2**30,
     "skipped": 0,
 }
-RANKS = [{"step": 7, "attempt": 1, "rank": r, "step_time_s": 0.25 + r / 100} for r in range(2)]
+# A sampled step (communication measured) of a pp2 job: ranks 0-1 are stage 0, ranks 2-3 stage 1.
+RANKS = [{"step": 7, "attempt": 1, "rank": r, "step_time_s": 0.25 + r / 100, "comm_time_s": 0.05 * r} for r in range(4)]
 
 
 def scrape(sink: PrometheusSink) -> dict[str, list]:
@@ -32,8 +33,13 @@ def scrape(sink: PrometheusSink) -> dict[str, list]:
     return {s.name: s for family in text_string_to_metric_families(text) for s in family.samples}, text
 
 
+def families(text: str) -> dict[str, list]:
+    """Metric name -> its samples."""
+    return {family.name: family.samples for family in text_string_to_metric_families(text)}
+
+
 def test_every_vocabulary_metric_is_exported_with_run_id():
-    sink = PrometheusSink("r1", port=0)
+    sink = PrometheusSink("r1", port=0, pipeline_stages=2)
     try:
         sink.on_step(ROW, RANKS)
         for kind in ("nonfinite", "nonfinite", "rollback", "fault_injected"):
@@ -49,7 +55,7 @@ def test_every_vocabulary_metric_is_exported_with_run_id():
         "keel_loss": "gauge", "keel_grad_norm": "gauge", "keel_learning_rate": "gauge", "keel_tokens_per_second": "gauge",
         "keel_mfu_ratio": "gauge", "keel_comm_share_ratio": "gauge", "keel_step": "gauge", "keel_attempt": "gauge",
         "keel_last_step_timestamp_seconds": "gauge", "keel_memory_peak_bytes": "gauge", "keel_rank_step_duration_seconds": "gauge",
-        "keel_step_duration_seconds": "histogram", "keel_nonfinite_steps_total": "counter", "keel_loss_spikes_total": "counter",
+        "keel_rank_busy_seconds": "gauge", "keel_run_ended": "gauge", "keel_step_duration_seconds": "histogram", "keel_nonfinite_steps_total": "counter", "keel_loss_spikes_total": "counter",
         "keel_rollbacks_total": "counter", "keel_data_skips_total": "counter", "keel_checkpoints_total": "counter",
         "keel_checkpoints_corrupt_total": "counter", "keel_hangs_total": "counter", "keel_oom_total": "counter",
         "keel_restarts_total": "counter", "keel_faults_injected_total": "counter", "keel_alerts_total": "counter",
@@ -61,10 +67,25 @@ def test_every_vocabulary_metric_is_exported_with_run_id():
     assert samples["keel_nonfinite_steps_total"].value == 2
     assert samples["keel_rollbacks_total"].value == 1 and samples["keel_loss_spikes_total"].value == 0
     assert samples["keel_alerts_total"].labels == {"run_id": "r1", "kind": "nonfinite_loss", "severity": "critical"}
-    ranks = {
-        s.labels["rank"]: s.value
-        for s in text_string_to_metric_families(text)
-        if s.name == "keel_rank_step_duration_seconds"
-        for s in s.samples
-    }
-    assert ranks == {"0": 0.25, "1": 0.26}
+    by_name = families(text)
+    assert {s.labels["rank"]: s.value for s in by_name["keel_rank_step_duration_seconds"]} == {"0": 0.25, "1": 0.26, "2": 0.27, "3": 0.28}
+    # Busy time = step time - communication time, labelled with the rank's pipeline stage.
+    busy = {(s.labels["rank"], s.labels["stage"]): round(s.value, 9) for s in by_name["keel_rank_busy_seconds"]}
+    assert busy == {("0", "0"): 0.25, ("1", "0"): 0.21, ("2", "1"): 0.17, ("3", "1"): 0.13}
+    assert samples["keel_run_ended"].value == 0
+
+
+def test_busy_time_is_kept_from_the_last_sampled_step_and_the_run_ends():
+    sink = PrometheusSink("r2", port=0)
+    try:
+        sink.on_step(ROW, [{"rank": r, "step_time_s": 0.5, "comm_time_s": 0.1 + 0.2 * r} for r in range(2)])
+        # An unsampled step (no communication measured) leaves the busy gauges as they were, and a
+        # step whose communication took all of it says nothing about speed.
+        sink.on_step(ROW, [{"rank": r, "step_time_s": 0.6, "comm_time_s": None} for r in range(2)])
+        sink.on_step(ROW, [{"rank": r, "step_time_s": 0.6, "comm_time_s": 0.6 if r else None} for r in range(2)])
+        busy = {s.labels["rank"]: round(s.value, 9) for s in families(scrape(sink)[1])["keel_rank_busy_seconds"]}
+        assert busy == {"0": 0.4, "1": 0.2}
+        sink.on_event({"kind": "run_finished", "severity": "info", "data": {}})
+        assert scrape(sink)[0]["keel_run_ended"].value == 1
+    finally:
+        sink.close()

@@ -22,7 +22,7 @@ def build_sinks(cfg: JobConfig, run_dir: Path) -> list[Sink]:
     if m.prometheus:
         from keel.monitor.prometheus import PrometheusSink
 
-        makers.append(lambda: PrometheusSink(cfg.run.run_id, m.prometheus_host, m.prometheus_port, m.pushgateway_url))
+        makers.append(lambda: PrometheusSink(cfg.run.run_id, m.prometheus_host, m.prometheus_port, m.pushgateway_url, cfg.parallel.pp))
     if m.wandb and m.wandb_mode != "disabled":
         from keel.monitor.wandb_sink import WandbSink
 
