@@ -123,6 +123,13 @@ class Server:
             raise RuntimeError(f"{self.name} {path} {params}: HTTP {status}: {doc.get('errorType')}: {doc.get('error')}")
         return doc["data"]
 
+    def reload(self) -> None:
+        """Makes Prometheus re-read its configuration and rule files (POST /-/reload; needs --web.enable-lifecycle)."""
+        req = urllib.request.Request(self.url + "/-/reload", method="POST")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            if r.status != 200:
+                raise RuntimeError(f"{self.name} /-/reload: HTTP {r.status}")
+
     def query(self, promql: str) -> list:
         """An instant query (/api/v1/query); returns the result list ([{metric, value}, ...] for a vector)."""
         return self.api("/api/v1/query", query=promql)["result"]
