@@ -32,6 +32,18 @@ READY_TIMEOUT_S = 30.0
 _live: set[Server] = set()  # servers not stopped yet: stopped at interpreter exit at the latest
 
 
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, explain: Callable[[], str] = lambda: "") -> Any:
+    """Polls `predicate` until it returns something true, and returns that; raises AssertionError
+    naming `what` (and `explain()`, e.g. a log tail) after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{explain()}")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

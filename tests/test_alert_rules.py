@@ -9,13 +9,12 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-from servers import MetricsTarget, WebhookReceiver, start_alertmanager, start_prometheus
+from servers import MetricsTarget, WebhookReceiver, start_alertmanager, start_prometheus, wait_until
 
 from keel.monitor import alert_rules, metrics
 
@@ -272,7 +271,7 @@ def test_prometheus_and_alertmanager_load_the_rules_and_deliver_an_alert(tmp_pat
                 and prom.query("keel_loss") != []
             )
 
-        _until(evaluated, 15, lambda: json.dumps(prom.api("/api/v1/rules"))[-2000:] + "\n" + prom.log_tail(1500))
+        wait_until(evaluated, 15, "the rules evaluated", lambda: json.dumps(prom.api("/api/v1/rules"))[-2000:] + "\n" + prom.log_tail(1500))
         rules = prom.api("/api/v1/rules")["groups"][0]["rules"]
         assert all(r["health"] == "ok" and not r.get("lastError") for r in rules), rules
         assert prom.query("ALERTS") == [], "an alert is pending or firing on healthy series"
@@ -298,12 +297,3 @@ def test_prometheus_and_alertmanager_load_the_rules_and_deliver_an_alert(tmp_pat
 
     for server in (prom, am):
         assert server.proc.poll() is not None, f"{server.name} still running after stop()"
-
-
-def _until(predicate, timeout: float, explain) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"not reached in {timeout} s:\n{explain()}")

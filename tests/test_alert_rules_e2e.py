@@ -30,7 +30,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pandas as pd
-from servers import WebhookReceiver, free_port, start_alertmanager, start_prometheus
+from servers import WebhookReceiver, free_port, start_alertmanager, start_prometheus, wait_until
 
 from keel.monitor.alert_rules import RuleParams, render
 from keel.monitor.run_dir import STORE_FILE
@@ -105,18 +105,8 @@ def training(run_dir: Path, run_id: str, port: int, steps: int, faults: tuple[st
         proc.wait(30)
 
 
-def wait_for(predicate, timeout: float, what: str, explain=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{explain()}")
-
-
 def wait_for_exit(proc, log: Path, timeout: float) -> None:
-    wait_for(lambda: proc.poll() is not None, timeout, "the run to end", lambda: log.read_text()[-3000:])
+    wait_until(lambda: proc.poll() is not None, timeout, "the run to end", lambda: log.read_text()[-3000:])
     assert proc.returncode == 0, log.read_text()[-3000:]
 
 
@@ -146,7 +136,7 @@ def test_each_rule_fires_on_the_fault_it_names_and_none_on_a_clean_run(tmp_path)
     ):
         faulty_dir, clean_dir = tmp_path / "faulty", tmp_path / "clean"
         with training(faulty_dir, "faulty", faulty_port, STEPS, FAULTS) as (proc, log):
-            wait_for(
+            wait_until(
                 lambda: len(steps_so_far(faulty_dir)) >= CALIBRATION[-1], 240, "the calibration steps", lambda: log.read_text()[-3000:]
             )
             early = steps_so_far(faulty_dir)
@@ -155,7 +145,7 @@ def test_each_rule_fires_on_the_fault_it_names_and_none_on_a_clean_run(tmp_path)
             params = short_windows(calibration)
             rules.write_text(render(params))
             prom.reload()
-            wait_for(lambda: len(prom.api("/api/v1/rules")["groups"]) == 1, 15, "the rules to load", lambda: prom.log_tail(2000))
+            wait_until(lambda: len(prom.api("/api/v1/rules")["groups"]) == 1, 15, "the rules to load", lambda: prom.log_tail(2000))
             wait_for_exit(proc, log, 300)
         faulty = read_steps(faulty_dir)  # every attempt's rows: a rollback re-runs steps
 

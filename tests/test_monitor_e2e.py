@@ -9,25 +9,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from servers import WebhookReceiver, free_port, start_alertmanager, start_prometheus
+from servers import WebhookReceiver, free_port, start_alertmanager, start_prometheus, wait_until
 
 from keel.monitor.store import read_events, read_steps
 
 RULES = Path(__file__).resolve().parents[1] / "monitor" / "alerting" / "keel-rules.yml"
 STEPS, NAN_STEP = 60, 45
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def scalar(prometheus, promql: str) -> float | None:
