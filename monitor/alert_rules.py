@@ -12,6 +12,7 @@ real run. The rules read only the metric vocabulary of `keel.monitor.metrics`.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from dataclasses import asdict, dataclass, fields
@@ -51,6 +52,8 @@ class RuleParams:
             value = getattr(self, f.name)
             if f.type == "str" and (not _DURATION.match(value) or not re.search(r"[1-9]", value)):
                 raise ValueError(f"{f.name}={value!r}: not a positive Prometheus duration; write e.g. 90s, 15m or 1h30m")
+            if f.type == "float" and not math.isfinite(value):
+                raise ValueError(f"{f.name}={value}: must be a finite number")
         for name in ("throughput_ratio", "mfu_threshold", "comm_share_threshold", "straggler_score"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be a ratio in (0, 1]")

@@ -134,6 +134,7 @@ def test_generated_rules_carry_the_given_parameters_and_pass_promtool(tmp_path):
         (["--comm-share-threshold", "-0.1"], "comm_share_threshold=-0.1: must be a ratio in (0, 1]"),
         (["--stall-factor", "0.5"], "stall_factor=0.5: must be at least 1"),
         (["--stall-floor-s", "0"], "stall_floor_s=0.0: must be positive"),
+        (["--stall-factor", "inf"], "stall_factor=inf: must be a finite number"),
     ],
 )
 def test_bad_rule_parameters_get_one_line_naming_the_parameter(argv, message, tmp_path):
