@@ -51,6 +51,7 @@ CASES = {
     "straggler min samples": (["--stragglers.min_samples=9"], ["stragglers.min_samples=9", "stragglers.window=5"]),
     "negative grad clip": (["--optim.grad_clip=-1"], ["optim.grad_clip=-1.0", "0 (no clipping)"]),
     "beta at 1": (["--optim.beta2=1"], ["optim.beta2=1.0", "[0, 1)"]),
+    "negative peak": (["--metrics.peak_tflops=-1"], ["metrics.peak_tflops=-1.0", "0 uses the GPU's data-sheet peak"]),
     "resume without a run": (["--resume", "no/such/run"], ["--resume no/such/run", "no config.toml"]),
 }
 

@@ -141,10 +141,15 @@ class ParallelConfig:
 class MetricsConfig:
     log_every: int = 1  # console progress line
     comm_sample_every: int = 10  # profile one step in this many to measure comm_share
+    # MFU's peak per device, in TFLOP/s; 0: the data-sheet peak of a known GPU, a matmul calibration on
+    # CPU. Set it for a GPU the table does not know, or to compare MFU across CPU runs (the calibration
+    # varies with the machine's load).
+    peak_tflops: float = 0.0
 
     def validate(self) -> None:
         if self.comm_sample_every < 1 or self.log_every < 1:
             raise ConfigError("metrics.comm_sample_every and metrics.log_every must be at least 1")
+        at_least("metrics.peak_tflops", self.peak_tflops, 0, "0 uses the GPU's data-sheet peak or a CPU calibration")
 
 
 @dataclass

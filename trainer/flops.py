@@ -54,8 +54,10 @@ def calibrate_cpu_peak(size: int = 512, seconds: float = 0.3) -> float:
     return best
 
 
-def device_peak_flops(device: torch.device) -> tuple[float, str]:
-    """(peak FLOP/s of this process's device, basis)."""
+def device_peak_flops(device: torch.device, configured_tflops: float = 0.0) -> tuple[float, str]:
+    """(peak FLOP/s of this process's device, basis): `configured_tflops` when set (metrics.peak_tflops)."""
+    if configured_tflops > 0:
+        return configured_tflops * 1e12, f"metrics.peak_tflops={configured_tflops:g}"
     if device.type == "cuda":
         return gpu_peak_flops(torch.cuda.get_device_name(device))
     peak = calibrate_cpu_peak()

@@ -130,7 +130,7 @@ class Trainer:
     def _peak_flops_total(self) -> tuple[float, str]:
         """MFU's denominator: (the peak FLOPS of all devices together, how this device's peak was found)."""
         # Every rank measures (or looks up) its own peak at the same moment; the sum is over all devices.
-        peak, basis = flops.device_peak_flops(self.device)
+        peak, basis = flops.device_peak_flops(self.device, self.cfg.metrics.peak_tflops)
         peak_total = sum_over_ranks(peak, self.device, self.world)
         log.info("peak FLOPS: %.3g per device (%s)", peak, basis)
         return peak_total, basis
