@@ -267,5 +267,7 @@ def test_prometheus_holds_what_the_run_store_holds(runs):
         assert last_scraped(prom, f"keel_{counter}_total{{{run}}}") == (events.kind == kind).sum() > 0, counter
     assert last_scraped(prom, f"keel_step_duration_seconds_count{{{run}}}") == len(every)
     # Keel's own channel recorded the NaN as an alert event in the run store.
-    alerts = events.query("kind == 'alert'")
-    assert alerts.iloc[0].data["alert"] == "nonfinite_loss" and alerts.iloc[0].step == NAN_STEP
+    # (Not necessarily its first alert: its straggler detector may flag CPU noise before the NaN.)
+    alerts = events[events.kind == "alert"]
+    nonfinite = alerts[alerts.data.map(lambda data: data["alert"]) == "nonfinite_loss"]
+    assert list(nonfinite.step) == [NAN_STEP]
