@@ -137,7 +137,10 @@ def test_run_page_shows_the_run_with_a_rendered_loss_chart(browser, dashboard, s
     # The loss chart is drawn: Vega renders it as SVG of real size, with the line's path in it.
     chart = page.locator("[data-testid='stVegaLiteChart'] svg.marks").first
     chart.wait_for(timeout=30_000)
-    box = chart.bounding_box()
+    # Vega first draws at its default 300 px and then fits the container: wait for the fitted size.
+    deadline = time.time() + 30
+    while (box := chart.bounding_box())["width"] <= 400 and time.time() < deadline:
+        time.sleep(0.2)
     assert box["width"] > 400 and box["height"] > 150
     lines = chart.locator("path[aria-roledescription='line mark']")
     assert lines.count() >= 2  # the effective trajectory and the attempt the rollback abandoned
