@@ -3,11 +3,14 @@
 `keel dashboard` and opened in Debian's chromium.
 
 Per store, measured from outside the code under test and repeated in ABBA order (100k, 1M, 1M, 100k):
-- page: from navigation to the Run page rendered in the browser (its step caption shown and all 13
-  charts drawn), once just after the store changed (as a live run's does at every step: everything is
-  read again) and once more unchanged (a finished run: the dashboard's cache serves the reads);
-- floor: the same browser time for a page of 13 one-point charts served by bare Streamlit (what Streamlit
-  and Vega cost on this machine before Keel draws anything), measured in the same rounds;
+- page, new tab: from navigation in a fresh tab (nothing cached in the browser) to the Run page
+  rendered (its step caption shown and every chart drawn), once just after the store changed (as a
+  live run's does at every step: everything is read again) and once more unchanged (a finished run:
+  the dashboard's cache serves the reads);
+- page, from the sidebar: the same, the dashboard already open in the tab (on the run's Events page)
+  and the user clicking "Run" in the sidebar, the way one moves between the dashboard's pages;
+- floor: a new tab's time for a page of as many one-point charts served by bare Streamlit (what
+  Streamlit and Vega cost on this machine before Keel draws anything), measured in the same rounds;
 - refresh: the server's time for one run of the Run page script (what each live refresh costs), the
   same two ways, timed around Streamlit's AppTest.
 
@@ -94,13 +97,14 @@ def _insert_steps(conn: sqlite3.Connection, rng: np.random.Generator, step: np.n
     conn.executemany(f"INSERT INTO rank_steps ({', '.join(RANK_COLUMNS)}) VALUES ({', '.join('?' * len(RANK_COLUMNS))})", rows)
 
 
-FLOOR_APP = """
+RUN_PAGE_CHARTS = 6  # loss, the small multiples, two heatmaps, memory by rank, goodput
+FLOOR_APP = f"""
 import streamlit as st
 st.set_page_config(layout="wide")
 st.caption("Steps 1 to 1:")
-for i in range(13):
-    st.vega_lite_chart({"data": {"values": [{"x": 0, "y": 0}]}, "mark": "line", "encoding": {
-        "x": {"field": "x", "type": "quantitative"}, "y": {"field": "y", "type": "quantitative"}}}, key=f"c{i}")
+for i in range({RUN_PAGE_CHARTS}):
+    st.vega_lite_chart({{"data": {{"values": [{{"x": 0, "y": 0}}]}}, "mark": "line", "encoding": {{
+        "x": {{"field": "x", "type": "quantitative"}}, "y": {{"field": "y", "type": "quantitative"}}}}}}, key=f"c{{i}}")
 """
 
 
@@ -130,14 +134,35 @@ def _healthy(server: subprocess.Popen, port: int) -> subprocess.Popen:
     raise RuntimeError(f"the server on port {port} did not come up within 90 s")
 
 
+# Every chart on the page is drawn (Vega has made its marks), and there are as many as the Run page has.
+_DRAWN = """n => { const charts = [...document.querySelectorAll("[data-testid='stVegaLiteChart']")];
+                  return charts.length >= n && charts.every(c => c.querySelector('.marks')); }"""
+
+
+def _shown(page, steps: int) -> None:
+    page.get_by_text(re.compile(rf"^Steps 1 to {steps:,}:")).first.wait_for(timeout=120_000)
+    page.wait_for_function(_DRAWN, arg=RUN_PAGE_CHARTS, timeout=120_000, polling=50)
+
+
 def page_seconds(browser, url: str, steps: int) -> float:
-    """Navigation to a Run page showing all `steps` steps with every chart drawn (13: nine metrics, two
-    heatmaps, memory and goodput)."""
+    """Navigation in a new tab to a Run page showing all `steps` steps with every chart drawn."""
     page = browser.new_page(viewport={"width": 1500, "height": 1200})
     start = time.perf_counter()
     page.goto(url)
-    page.get_by_text(re.compile(rf"^Steps 1 to {steps:,}:")).first.wait_for(timeout=120_000)
-    page.wait_for_function("document.querySelectorAll(\"[data-testid='stVegaLiteChart'] .marks\").length >= 13", timeout=120_000)
+    _shown(page, steps)
+    elapsed = time.perf_counter() - start
+    page.close()
+    return elapsed
+
+
+def sidebar_seconds(browser, base: str, run: str, steps: int) -> float:
+    """From the run's Events page, open in the tab, to its Run page by the sidebar's "Run" link."""
+    page = browser.new_page(viewport={"width": 1500, "height": 1200})
+    page.goto(f"{base}/events?run={run}")
+    page.wait_for_selector("[data-testid='stDataFrame']", timeout=120_000)
+    start = time.perf_counter()
+    page.get_by_role("link", name="Run", exact=True).click()
+    _shown(page, steps)
     elapsed = time.perf_counter() - start
     page.close()
     return elapsed
@@ -169,7 +194,8 @@ def touch(store: Path) -> None:
     os.utime(store, ns=(time.time_ns(), time.time_ns()))
 
 
-FIGURES = ("page, store changed", "page, unchanged", "floor: bare Streamlit", "refresh, store changed", "refresh, unchanged")
+FIGURES = ("page, new tab, store changed", "page, new tab, unchanged", "page, sidebar, store changed", "page, sidebar, unchanged",
+           "floor: bare Streamlit, new tab", "refresh, store changed", "refresh, unchanged")  # fmt: skip
 
 
 def main() -> None:
@@ -196,10 +222,13 @@ def main() -> None:
                 order = opts.sizes + opts.sizes[::-1]  # ABBA
                 for _ in range(opts.rounds):
                     for steps in order:
-                        run, url = f"run-{steps}", f"http://127.0.0.1:8765/run?run=run-{steps}"
+                        run, base = f"run-{steps}", "http://127.0.0.1:8765"
                         touch(folder / run / STORE_FILE)
-                        pages = [page_seconds(browser, url, steps), page_seconds(browser, url, steps)]
-                        got = [*pages, page_seconds(browser, "http://127.0.0.1:8766/", 1), *refresh_seconds(folder, run)]
+                        tabs = [page_seconds(browser, f"{base}/run?run={run}", steps) for _ in range(2)]
+                        touch(folder / run / STORE_FILE)
+                        sidebar = [sidebar_seconds(browser, base, run, steps) for _ in range(2)]
+                        bare = page_seconds(browser, "http://127.0.0.1:8766/", 1)
+                        got = [*tabs, *sidebar, bare, *refresh_seconds(folder, run)]
                         for figure, value in zip(FIGURES, got):
                             seconds[steps][figure].append(value)
                         print(f"  {steps:>9,} steps: " + ", ".join(f"{f} {v:.2f} s" for f, v in zip(FIGURES, got)), flush=True)
@@ -208,13 +237,13 @@ def main() -> None:
             for started in (server, floor):
                 started.terminate()
                 started.wait()
-    print(f"\n{'store':>19} | {'figure':<22} | {'median (min-max)':>20} | target")
+    print(f"\n{'store':>19} | {'figure':<30} | {'median (min-max)':>20} | target")
     for steps in opts.sizes:
         for figure in FIGURES:
             xs = seconds[steps][figure]
             target = TARGET_PAGE_S.get(steps) if figure.startswith("page") else None
             verdict = f"< {target:g} s: {'met' if statistics.median(xs) < target else 'MISSED'}" if target else "reported"
-            print(f"{steps:>9,} x {RANKS} ranks | {figure:<22} | {_spread(xs):>20} | {verdict}")
+            print(f"{steps:>9,} x {RANKS} ranks | {figure:<30} | {_spread(xs):>20} | {verdict}")
 
 
 def _spread(xs: list[float]) -> str:

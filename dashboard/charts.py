@@ -14,12 +14,20 @@ import pandas as pd
 STEP_AXIS = {"format": ",d", "tickMinStep": 1}  # steps are whole numbers: never "1.0"
 EFFECTIVE_COLOUR = "#1f77b4"
 ABANDONED_COLOURS = ["#d62728", "#ff7f0e", "#8c564b", "#e377c2"]  # one per abandoned attempt, cycled
+# Every chart's value labels take the same width, so the small multiples' plots line up in columns; a
+# constant series reads "0.41", not Vega's "0.410000".
+Y_AXIS = {"format": ",~r", "minExtent": 56, "maxExtent": 56}
 LEGEND_BELOW = {"legend": {"orient": "bottom", "columns": 8}}
 
 
 def _step_x(steps: tuple[int, int], field: str = "step") -> dict:
     return {"field": field, "type": "quantitative", "title": "step", "axis": STEP_AXIS,
             "scale": {"domain": list(steps), "nice": False}}  # fmt: skip
+
+
+def _named(dataset: str) -> dict:
+    """A dataset of the spec's "datasets", typed already (Arrow): no per-row parsing in the browser."""
+    return {"name": dataset, "format": {"parse": None}}
 
 
 def _tooltip(**fields: str) -> list[dict]:
@@ -32,13 +40,35 @@ def metric_chart(series: pd.DataFrame, markers: pd.DataFrame, title: str, steps:
     """Lines per segment (series.metric_series: the effective trajectory solid blue, each abandoned
     attempt dashed in a warm colour, never joined) under a rule per event (series.event_markers),
     coloured by kind from `colours`, with the event's message on hover."""
+    view = _metric_view("lines", series, markers, title, steps, colours, legend)
+    spec = {**view, "height": height, "datasets": {"lines": series, "events": markers}}
+    return {**spec, "config": LEGEND_BELOW} if legend else spec
+
+
+def metric_grid(series: dict[str, pd.DataFrame], markers: pd.DataFrame, steps: tuple[int, int], colours: dict[str, str],
+                width: int, height: int, columns: int) -> dict:  # fmt: skip
+    """Small multiples: one metric_chart per title in `series`, without legends, `columns` to a row, in
+    one Vega-Lite spec. One spec rather than one chart each because the browser's cost of a page grows
+    with its charts (each is compiled, embedded and laid out on its own) more than with their points."""
+    views = [{**_metric_view(f"lines-{i}", s, markers, title, steps, colours, legend=False), "width": width, "height": height}
+             for i, (title, s) in enumerate(series.items())]  # fmt: skip
+    datasets = {"events": markers, **{f"lines-{i}": s for i, s in enumerate(series.values())}}
+    # Rows of hconcat in a vconcat: Streamlit sizes a wrapping "concat" to nothing (1.67).
+    independent = {"scale": {"color": "independent", "strokeDash": "independent"}}
+    rows = [{"hconcat": views[i : i + columns], "resolve": independent} for i in range(0, len(views), columns)]
+    return {"datasets": datasets, "vconcat": rows, "resolve": independent}
+
+
+def _metric_view(lines: str, series: pd.DataFrame, markers: pd.DataFrame, title: str, steps: tuple[int, int],
+                 colours: dict[str, str], legend: bool) -> dict:  # fmt: skip
+    """metric_chart's layers, drawing the dataset named `lines` under the dataset "events"."""
     segments = ["effective", *sorted(set(series.segment) - {"effective"})]
     segment_colours = [EFFECTIVE_COLOUR, *(ABANDONED_COLOURS[i % len(ABANDONED_COLOURS)] for i in range(len(segments) - 1))]
     kinds = [k for k in colours if k in set(markers.kind)] or list(colours)  # the legend lists those present
     shown = {} if legend else {"legend": None}
     rules = {
-        "data": {"name": "events"},
-        "mark": {"type": "rule", "opacity": 0.7},
+        "data": _named("events"),
+        "mark": {"type": "rule", "opacity": 0.7, "aria": False},
         "encoding": {
             "x": _step_x(steps),
             "color": {
@@ -53,12 +83,12 @@ def metric_chart(series: pd.DataFrame, markers: pd.DataFrame, title: str, steps:
             ),
         },
     }
-    lines = {
-        "data": {"name": "lines"},
-        "mark": {"type": "line", "strokeWidth": 1.5, "clip": True},
+    line = {
+        "data": _named(lines),
+        "mark": {"type": "line", "strokeWidth": 1.5, "clip": True, "aria": False},
         "encoding": {
             "x": _step_x(steps),
-            "y": {"field": "value", "type": "quantitative", "title": None, "scale": {"zero": False}},
+            "y": {"field": "value", "type": "quantitative", "title": None, "scale": {"zero": False}, "axis": Y_AXIS},
             "color": {
                 "field": "segment",
                 "type": "nominal",
@@ -76,9 +106,7 @@ def metric_chart(series: pd.DataFrame, markers: pd.DataFrame, title: str, steps:
             "tooltip": _tooltip(segment="nominal", step="quantitative", value="quantitative"),
         },
     }
-    spec = {"title": title, "height": height, "datasets": {"lines": series, "events": markers}, "layer": [rules, lines],
-            "resolve": {"scale": {"color": "independent"}}}  # fmt: skip
-    return {**spec, "config": LEGEND_BELOW} if legend else spec
+    return {"title": title, "layer": [rules, line], "resolve": {"scale": {"color": "independent"}}}
 
 
 def rank_heatmap(ranks: pd.DataFrame, stragglers: pd.DataFrame, metric: str, title: str, steps: tuple[int, int],
@@ -86,8 +114,8 @@ def rank_heatmap(ranks: pd.DataFrame, stragglers: pd.DataFrame, metric: str, tit
     """One cell per rank and step range (monitor.store.read_rank_bins), coloured by the mean of
     `metric`; straggler events (series.straggler_marks) ringed in red."""
     cells = {
-        "data": {"name": "cells"},
-        "mark": {"type": "rect"},
+        "data": _named("cells"),
+        "mark": {"type": "rect", "aria": False},
         "encoding": {
             "x": _step_x((steps[0], steps[1] + 1), "first_step"),
             "x2": {"field": "end_step"},
@@ -104,8 +132,8 @@ def rank_heatmap(ranks: pd.DataFrame, stragglers: pd.DataFrame, metric: str, tit
         },
     }
     rings = {
-        "data": {"name": "rings"},
-        "mark": {"type": "point", "shape": "circle", "size": 120, "color": "#ff2d2d", "strokeWidth": 2.5},
+        "data": _named("rings"),
+        "mark": {"type": "point", "shape": "circle", "size": 120, "color": "#ff2d2d", "strokeWidth": 2.5, "aria": False},
         "encoding": {
             "x": {"field": "at", "type": "quantitative"},
             "y": {"field": "rank", "type": "ordinal"},

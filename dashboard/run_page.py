@@ -16,9 +16,9 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from keel.dashboard.charts import bar_chart, metric_chart, rank_heatmap
+from keel.dashboard.charts import bar_chart, metric_chart, metric_grid, rank_heatmap
 from keel.dashboard.runs_page import REFRESH_S, run_folders
-from keel.dashboard.series import MARKER_COLOURS, METRICS, event_markers, metric_series, segments, straggler_marks
+from keel.dashboard.series import MARKER_COLOURS, METRICS, ROUTINE_MARKERS, event_markers, metric_series, segments, straggler_marks
 from keel.monitor.checkpoints import checkpoint_table, verify
 from keel.monitor.goodput import Goodput, compute_goodput
 from keel.monitor.run_dir import CONFIG_FILE, MANIFEST
@@ -34,12 +34,14 @@ from keel.monitor.store import (
     store_version,
 )
 
-# The small charts are a third of the page wide: 400 M4 columns still keep every pixel column's extremes
-# there, and the browser's time to draw the page grows with the points sent (about 30 us each).
-SMALL_CHART_BUCKETS = 400
+# The small charts, three to a row, are 260 px wide: M4 on 260 columns keeps every pixel column's extremes,
+# and the browser's time to draw the page grows with the points sent (about 30 us each).
+SMALL_CHART_PX = 260
+SMALL_CHART_BUCKETS = SMALL_CHART_PX
 HEATMAP_BINS = 120  # step columns of the rank x step heatmaps
 RANGE_KEY = "steps"  # the slider's state key and the URL parameter (?steps=LO-HI)
 _NEWEST_KEY = "newest-step"
+_RUN_KEY = "chosen-run"  # the run chosen last, kept across pages
 
 
 def render_run() -> None:
@@ -51,8 +53,9 @@ def render_run() -> None:
 
 
 def choose_run() -> Path | None:
-    """The run the page shows: `?run=<name>` if that names a run found, else the first; the choice is
-    written back to the URL. None (with a message) when there is no run."""
+    """The run the page shows: `?run=<name>` if that names a run found, else the one this session showed
+    last, else the first; the choice is written back to the URL. None (with a message) when there is
+    no run."""
     runs = {p.name: p for p in find_runs(run_folders())}
     if not runs:
         st.info("No runs found yet.")
@@ -61,9 +64,11 @@ def choose_run() -> Path | None:
     wanted = st.query_params.get("run")
     if wanted is not None and wanted not in runs:
         st.error(f"No run named '{wanted}' here; choose one of the runs found.")
+    # Without one in the URL (the sidebar's links carry none), the run last shown on any page.
+    wanted = wanted or st.session_state.get(_RUN_KEY)
     names = sorted(runs)
     name = st.selectbox("run", names, index=names.index(wanted) if wanted in runs else 0)
-    st.query_params["run"] = name
+    st.query_params["run"] = st.session_state[_RUN_KEY] = name
     return runs[name]
 
 
@@ -141,15 +146,16 @@ def _metric_charts(rows: pd.DataFrame, markers: pd.DataFrame, steps: tuple[int, 
     effective = int((rows.segment == "effective").sum())
     st.caption(f"Steps {steps[0]:,} to {steps[1]:,}: {effective:,} in effect, {len(rows) - effective:,} abandoned by rollbacks "
                f"or restarts, {len(shown)} events marked; refreshed every {REFRESH_S:g} s.")  # fmt: skip
-    # The loss at full width with the legends; the other metrics below, small, sharing its colours.
+    # The loss at full width with the legends and every event; the other metrics below, small, sharing its
+    # colours, with every event but the routine ones.
     loss = metric_series(rows, "loss", grid=steps)
     st.vega_lite_chart(spec=metric_chart(loss, shown, METRICS["loss"], steps, MARKER_COLOURS, 300, legend=True), key="chart-loss")
-    columns = st.columns(3)
-    for i, (metric, title) in enumerate((m, t) for m, t in METRICS.items() if m != "loss"):
-        with columns[i % 3]:
-            series = metric_series(rows, metric, grid=steps, buckets=SMALL_CHART_BUCKETS)
-            chart = metric_chart(series, shown, title, steps, MARKER_COLOURS, 180, legend=False)
-            st.vega_lite_chart(spec=chart, key=f"chart-{metric}")
+    small = {
+        title: metric_series(rows, metric, grid=steps, buckets=SMALL_CHART_BUCKETS) for metric, title in METRICS.items() if metric != "loss"
+    }
+    unusual = shown[~shown.kind.isin(ROUTINE_MARKERS)]
+    grid = metric_grid(small, unusual, steps, MARKER_COLOURS, SMALL_CHART_PX, 180, columns=3)
+    st.vega_lite_chart(spec=grid, key="chart-grid", width="content")
 
 
 def _rank_charts(ranks: pd.DataFrame, stragglers: pd.DataFrame, steps: tuple[int, int]) -> None:
@@ -169,7 +175,7 @@ def _rank_charts(ranks: pd.DataFrame, stragglers: pd.DataFrame, steps: tuple[int
     with memory:
         peak = ranks.groupby("rank", as_index=False).mem_peak_bytes.max()
         peak["GiB"] = peak.mem_peak_bytes.astype("float64") / 2**30
-        bars = bar_chart(peak, "rank", "ordinal", "GiB", "peak memory (GiB)", _rank_rows(ranks))
+        bars = bar_chart(peak, "rank", "ordinal", "GiB", "peak memory by rank (GiB)", _rank_rows(ranks))
         st.vega_lite_chart(spec=bars, key="rank-memory")
 
 

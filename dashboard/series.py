@@ -19,12 +19,15 @@ MARKERS = {
 }  # fmt: skip
 MARKER_KINDS = {kind: word for kind, (word, _) in MARKERS.items()}
 MARKER_COLOURS = {word: colour for word, colour in MARKERS.values()}
+# Marked on the loss chart only: one every few hundred steps would hide the small charts' lines.
+ROUTINE_MARKERS = {"checkpoint saved"}
 # The step metrics charted against step, with their titles.
 METRICS = {
     "loss": "loss", "grad_norm": "grad norm", "lr": "learning rate", "tokens_per_s": "tokens/s", "mfu": "MFU",
     "comm_share": "comm share", "step_time_s": "step time (s)", "data_time_s": "data time (s)",
-    "mem_peak_bytes": "peak memory (bytes)",
+    "mem_peak_bytes": "peak memory (GiB)",
 }  # fmt: skip
+UNIT_SCALE = {"mem_peak_bytes": 2**-30}  # drawn in the unit its title names; the store keeps base units
 BUCKETS = 1000  # pixel columns of a chart: M4 keeps at most 4 points each
 
 
@@ -40,7 +43,7 @@ def metric_series(rows: pd.DataFrame, metric: str, grid: tuple[float, float], bu
     drawn per segment)."""
     shown = rows[["step", metric, "segment"]].dropna(subset=[metric])
     frames = [m4(part, "step", metric, buckets, grid) for _, part in shown.groupby("segment", sort=False)]  # rows come sorted by step
-    frames = [f.rename(columns={metric: "value"}) for f in frames]
+    frames = [f.rename(columns={metric: "value"}).assign(value=lambda f: f.value * UNIT_SCALE.get(metric, 1)) for f in frames]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["step", "value", "segment"])
 
 
@@ -70,5 +73,6 @@ def compare_series(runs: dict[str, pd.DataFrame], metric: str, x: str, buckets: 
     parts = []
     for name, frame in frames.items():
         shown = frame[[x, metric]].dropna().sort_values(x)
-        parts.append(m4(shown, x, metric, buckets, grid).rename(columns={x: "x", metric: "value"}).assign(run=name))
+        drawn = m4(shown, x, metric, buckets, grid).rename(columns={x: "x", metric: "value"})
+        parts.append(drawn.assign(value=drawn.value * UNIT_SCALE.get(metric, 1), run=name))
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["x", "value", "run"])

@@ -70,12 +70,17 @@ def _chart_frames(chart) -> list[pd.DataFrame]:
 
 
 def _charts(app: AppTest) -> dict[str, list[pd.DataFrame]]:
-    """The page's charts by title (a layered chart's title is its titled layer's), each as its data frames."""
+    """The page's charts by title, each as the data frames it draws; a grid of small multiples (rows of
+    hconcat in a vconcat) gives one entry per titled view."""
     charts = {}
     for chart in app.get("vega_lite_chart"):
-        spec = json.loads(chart.proto.spec)
-        [title] = [t for t in [spec.get("title"), *(layer.get("title") for layer in spec.get("layer", []))] if t]
-        charts[title] = _chart_frames(chart)
+        spec, frames = json.loads(chart.proto.spec), {d.name: f for d, f in zip(chart.proto.datasets, _chart_frames(chart))}
+        views = [view for row in spec.get("vconcat", [spec]) for view in row.get("hconcat", [row])]
+        for view in views:
+            layers = view.get("layer", [view])
+            [title] = {t for t in [view.get("title"), *(layer.get("title") for layer in layers)] if t}
+            names = [layer["data"]["name"] for layer in layers if "name" in layer.get("data", {})]
+            charts[title] = [frames[n] for n in names] if names else list(frames.values())
     return charts
 
 
@@ -89,6 +94,9 @@ def test_run_page_marks_every_event_and_draws_the_rolled_back_steps_apart(spike_
     marked = events[events.kind.isin(MARKER_KINDS)]
     assert sorted(markers.step) == sorted(marked.step.astype(int))
     assert {"confirmed spike", "rollback", "data skip", "checkpoint saved", "injected fault"} <= set(markers.kind)
+    # The small charts mark the same events but the routine checkpoint saves.
+    grad_markers = next(f for f in charts["grad norm"] if "kind" in f.columns)
+    assert sorted(grad_markers.step) == sorted(markers.step[markers.kind != "checkpoint saved"])
     # The abandoned segment is exactly what the rollback threw away: the steps after its checkpoint.
     rollback = events[events.kind == "rollback"].iloc[0].data
     abandoned = lines[lines.segment != "effective"]
@@ -218,7 +226,7 @@ def test_run_page_of_a_hang_and_restart_marks_both_and_covers_every_rank(drill_r
     assert sorted(set(cells["rank"])) == list(range(8))
     for _, rows in cells.groupby("rank"):  # every rank, every step of the run
         assert rows.first_step.min() == 1 and rows.last_step.max() == 16 and rows.rows.sum() >= 16
-    [memory] = charts["peak memory (GiB)"]
+    [memory] = charts["peak memory by rank (GiB)"]
     assert sorted(memory["rank"]) == list(range(8)) and (memory.GiB > 0).all()
 
 

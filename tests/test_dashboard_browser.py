@@ -142,7 +142,7 @@ def test_run_page_shows_the_run_with_a_rendered_loss_chart(browser, dashboard, s
     while (box := chart.bounding_box())["width"] <= 400 and time.time() < deadline:
         time.sleep(0.2)
     assert box["width"] > 400 and box["height"] > 150
-    lines = chart.locator("path[aria-roledescription='line mark']")
+    lines = chart.locator("g.mark-line path")
     assert lines.count() >= 2  # the effective trajectory and the attempt the rollback abandoned
     assert page.get_by_text("loss", exact=True).first.is_visible()
     assert page.locator("[data-testid='stException']").count() == 0
