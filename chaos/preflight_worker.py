@@ -308,7 +308,7 @@ def overfit(cfg: JobConfig, layout: parallel.Layout, device: torch.device, world
     parts = parallel.build_model_parts(cfg, model_args(cfg), layout, device, bf16)
     schedule = parallel.build_schedule(cfg, parts, layout, device, parallel.loss_fn) if layout.pp > 1 else None
     optimizer = build_optimizer(parts, cfg.optim)
-    source = open_tokens(cfg.data.source, cfg.data.seq_len)
+    source = open_tokens(cfg.data.source, cfg.data.seq_len, model_args(cfg).vocab_size)
     sampler = BatchSampler(source.tokens, cfg.data.seq_len, cfg.training.global_batch_size, layout.dp_rank, layout.dp, cfg.training.seed)
     inputs, targets = (torch.from_numpy(a).to(device) for a in sampler.next_batch())
     t0, losses = time.perf_counter(), []

@@ -16,7 +16,7 @@ commands:
   preflight      check ranks, links, checkpoint disk, memory and an overfit before a long job (keel preflight --help)
   dashboard      watch runs live in the browser (keel dashboard [RUNS_DIR ...] [--host] [--port] [--read-only])
   alert-rules    write the Prometheus alerting rules with your windows and thresholds (keel alert-rules --help)
-  prepare-data   make a uint16 token file from text files (keel prepare-data OUT.bin FILES...)
+  prepare-data   make a token file from text files, as bytes or with a tokenizer (keel prepare-data --help)
 """
 
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     elif command == "alert-rules":
         from keel.monitor.alert_rules import main as run
     elif command == "prepare-data":
-        from keel.trainer.data import prepare_data_main as run
+        from keel.trainer.prepare_data import main as run
     else:
         print(f"keel: error: unknown command '{command}'\n{USAGE}", end="", file=sys.stderr)
         return EXIT_CONFIG

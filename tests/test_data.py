@@ -8,23 +8,25 @@ import numpy as np
 import pytest
 
 from keel.trainer.config import ConfigError
-from keel.trainer.data import BatchSampler, open_tokens, prepare_data_main, write_token_file
+from keel.trainer.data import BatchSampler, open_tokens, write_token_file
+from keel.trainer.prepare_data import main as prepare_data_main
 
 SEQ_LEN = 16
 
 
 @pytest.fixture(scope="module")
 def tokens() -> np.ndarray:
-    return open_tokens("builtin", SEQ_LEN).tokens
+    return open_tokens("builtin", SEQ_LEN, 256).tokens
 
 
 def test_builtin_corpus_is_bytes_and_stable():
-    a = open_tokens("builtin", SEQ_LEN)
-    b = open_tokens("builtin", SEQ_LEN)
+    a = open_tokens("builtin", SEQ_LEN, 256)
+    b = open_tokens("builtin", SEQ_LEN, 256)
     assert len(a.tokens) > 100_000
     assert a.tokens.dtype == np.uint8 and int(a.tokens.max()) < 256
     assert a.version == b.version and a.version.startswith("sha256:") and len(a.version) == len("sha256:") + 16
     assert a.description.startswith("builtin:")
+    assert (a.dtype, a.vocab_size, a.eod_id) == ("uint8", 256, None)
 
 
 @pytest.mark.parametrize("dp_size", [2, 4])
@@ -102,14 +104,15 @@ def test_token_file_round_trip(tmp_path: Path):
     a.write_bytes("héllo world\n".encode())
     b.write_bytes(b"second file\n")
     out = tmp_path / "train.bin"
-    n = write_token_file(out, [a, b])
+    sidecar = write_token_file(out, [a, b])
     expected = a.read_bytes() + b.read_bytes()
-    assert n == len(expected) and out.stat().st_size == 2 * n
-    ts = open_tokens(str(out), seq_len=4)
-    assert ts.tokens.dtype == np.uint16
+    assert sidecar.tokens == len(expected) and out.stat().st_size == 2 * sidecar.tokens
+    assert (sidecar.dtype, sidecar.vocab_size, sidecar.eod_id, sidecar.documents) == ("uint16", 256, None, 2)
+    ts = open_tokens(str(out), seq_len=4, vocab_size=256)
+    assert ts.tokens.dtype == np.uint16 and ts.vocab_size == 256
     assert bytes(ts.tokens.astype(np.uint8)) == expected
-    assert ts.version.startswith("sha256:") and ts.version == open_tokens(str(out), 4).version
-    assert ts.description == str(out)
+    assert ts.version == "sha256:" + sidecar.sha256[:16] == open_tokens(str(out), 4, 256).version
+    assert ts.description.startswith(f"{out}: ")
 
 
 def test_prepare_data_walks_directories_in_sorted_order(tmp_path: Path, capsys):
@@ -120,7 +123,9 @@ def test_prepare_data_walks_directories_in_sorted_order(tmp_path: Path, capsys):
     (src / "sub" / "c.txt").write_bytes(b"ccc")
     out = tmp_path / "out.bin"
     assert prepare_data_main([str(out), str(src)]) == 0
-    assert "wrote 9 tokens" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "wrote 9 tokens" in captured.out
+    assert "9 tokens" in captured.err and "tok/s" in captured.err  # the progress line
     assert bytes(np.fromfile(out, dtype="<u2").astype(np.uint8)) == b"aaabbbccc"
 
 
@@ -150,11 +155,11 @@ def _raw(tmp_path: Path, data: bytes) -> str:
 )
 def test_bad_token_files_raise_config_error(tmp_path: Path, make, field):
     with pytest.raises(ConfigError) as info:
-        open_tokens(make(tmp_path), seq_len=SEQ_LEN)
+        open_tokens(make(tmp_path), seq_len=SEQ_LEN, vocab_size=256)
     message = str(info.value)
     assert field in message and "data.source" in message and "\n" not in message
 
 
 def test_missing_file_message_names_the_fix(tmp_path: Path):
     with pytest.raises(ConfigError, match="keel prepare-data"):
-        open_tokens(str(tmp_path / "missing.bin"), seq_len=SEQ_LEN)
+        open_tokens(str(tmp_path / "missing.bin"), seq_len=SEQ_LEN, vocab_size=256)

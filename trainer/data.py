@@ -1,11 +1,16 @@
-"""Byte-level training data that needs no download (vocabulary 256).
+"""The training data: where tokens come from (`open_tokens`) and how batches are drawn from them (`BatchSampler`).
 
-Tokens are bytes. The default source, "builtin", is the Python standard library's own source code,
-which exists wherever Keel is installed, so every example and test can train without a network.
-Larger corpora are uint16 token files in nanoGPT's .bin layout, made with `keel prepare-data`.
+Sources, each read as one flat array of token ids, never converted or loaded whole:
+- "builtin": the Python standard library's own source code as bytes (vocabulary 256). It exists wherever
+  Keel is installed, so every example and test can train without a network.
+- a token file made by `keel prepare-data` (uint16 or uint32 with a JSON sidecar), or a plain nanoGPT
+  uint16 .bin (keel.trainer.token_files);
+- a Megatron-LM indexed dataset, PREFIX.bin + PREFIX.idx, named by its prefix or its .bin
+  (keel.trainer.megatron_index).
 
-The sampler is a pure function of (seed, batch_index, dp rank): resuming from a checkpoint,
-skipping bad batches and changing the dp degree all see exactly the same global batches.
+`open_tokens` refuses data whose vocabulary does not fit the model's, before any worker starts.
+The sampler is a pure function of (seed, batch_index, dp rank) whatever the source: resuming from a
+checkpoint, skipping bad batches and changing the dp degree all see exactly the same global batches.
 """
 
 from __future__ import annotations
@@ -21,24 +26,37 @@ from pathlib import Path
 
 import numpy as np
 
-from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
 from keel.trainer.config import ConfigError
+from keel.trainer.megatron_index import megatron_paths, read_index
+from keel.trainer.token_files import FILE_DTYPES, check_sidecar, read_sidecar, scan_tokens, sidecar_path
+from keel.trainer.token_files import write_token_file as write_token_file  # re-exported: the byte writer tests use
 
-VOCAB_SIZE = 256
+BYTE_VOCAB_SIZE = 256
 BUILTIN_MAX_BYTES = 4 * 1024 * 1024
-_HASH_CHUNK = 64 * 1024 * 1024  # tokens per pass when hashing a file, so memory stays flat
 
 
 @dataclass(frozen=True)
 class TokenSource:
-    tokens: np.ndarray  # 1-D token ids (< 256): uint8 for the builtin corpus, np.memmap uint16 for files
+    tokens: np.ndarray  # 1-D token ids: uint8 for the builtin corpus, an np.memmap of the file otherwise
     version: str  # "sha256:<first 16 hex>" of the token bytes, recorded with runs so data changes are visible
     description: str  # where the tokens came from, for logs and run records
+    vocab_size: int  # the smallest model vocabulary that holds every id: the tokenizer's, else the largest id + 1
+    vocab_origin: str  # why vocab_size is what it is, for the error that refuses a smaller model
+    eod_id: int | None = None  # the end-of-document id, when the source says
+
+    @property
+    def dtype(self) -> str:
+        return self.tokens.dtype.name
 
 
-def open_tokens(source: str, seq_len: int) -> TokenSource:
-    """Opens `source` ("builtin" or a uint16 token file) and checks it holds at least one sequence."""
+def open_tokens(source: str, seq_len: int, vocab_size: int) -> TokenSource:
+    """Opens `source` and checks it holds at least one sequence of ids a model of `vocab_size` can embed."""
     ts = _builtin_tokens() if source == "builtin" else _file_tokens(source)
+    if ts.vocab_size > vocab_size:
+        raise ConfigError(
+            f"data.source={source}: {ts.vocab_origin} need model.vocab_size >= {ts.vocab_size}; the model has {vocab_size} "
+            f"(set --model.vocab_size={ts.vocab_size} or more)"
+        )
     if len(ts.tokens) < seq_len + 1:
         raise ConfigError(
             f"data.source={source}: {len(ts.tokens)} tokens is fewer than data.seq_len+1={seq_len + 1}; "
@@ -70,84 +88,66 @@ def _builtin_tokens() -> TokenSource:
     tokens = np.frombuffer(corpus, dtype=np.uint8)  # read-only, so the cached array is safe to share
     version = "sha256:" + hashlib.sha256(corpus).hexdigest()[:16]
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
-    return TokenSource(tokens, version, f"builtin: {len(tokens):,} bytes of the Python {py} standard library")
+    description = f"builtin: {len(tokens):,} bytes of the Python {py} standard library"
+    return TokenSource(tokens, version, description, BYTE_VOCAB_SIZE, "byte tokens")
 
 
 def _file_tokens(source: str) -> TokenSource:
+    megatron = megatron_paths(source)
+    if megatron is not None:
+        return _megatron_tokens(source, *megatron)
     path = Path(source)
     if not path.is_file():
         raise ConfigError(
-            f"data.source={source}: file not found; make one with `keel prepare-data {source} FILES...` or use data.source=builtin"
+            f"data.source={source}: file not found; make one with `keel prepare-data {source} FILES...`, name a Megatron PREFIX (PREFIX.bin + PREFIX.idx) or use data.source=builtin"
         )
     nbytes = path.stat().st_size
     if nbytes == 0:
         raise ConfigError(f"data.source={source}: file is empty; remake it with `keel prepare-data {source} FILES...`")
+    if sidecar_path(path).is_file():
+        return _described_tokens(source, path, nbytes)
+    return _nanogpt_tokens(source, path, nbytes)
+
+
+def _described_tokens(source: str, path: Path, nbytes: int) -> TokenSource:
+    sidecar = read_sidecar(source, path)
+    check_sidecar(source, sidecar, nbytes, scan=None)  # the size first: it costs nothing and says the most
+    tokens = np.memmap(path, dtype=FILE_DTYPES[sidecar.dtype], mode="r")
+    scan = scan_tokens(tokens)
+    check_sidecar(source, sidecar, nbytes, scan)
+    tokenizer = sidecar.tokenizer.get("file", sidecar.tokenizer.get("kind", "?"))
+    eod = f", end-of-document id {sidecar.eod_id}" if sidecar.eod_id is not None else ""
+    description = f"{path}: {sidecar.tokens:,} {sidecar.dtype} tokens in {sidecar.documents:,} documents, vocabulary {sidecar.vocab_size:,} ({tokenizer}){eod}"
+    origin = f"its tokenizer's {sidecar.vocab_size:,} token ids"
+    return TokenSource(tokens, "sha256:" + scan.sha256[:16], description, sidecar.vocab_size, origin, sidecar.eod_id)
+
+
+def _nanogpt_tokens(source: str, path: Path, nbytes: int) -> TokenSource:
     if nbytes % 2:
         raise ConfigError(
             f"data.source={source}: size {nbytes} bytes is not a multiple of 2, so it is not a uint16 token file; "
             f"remake it with `keel prepare-data {source} FILES...`"
         )
     tokens = np.memmap(path, dtype="<u2", mode="r")
-    # One pass over the file for both the version hash and the vocabulary check.
-    digest = hashlib.sha256()
-    max_id = 0
-    for start in range(0, len(tokens), _HASH_CHUNK):
-        chunk = tokens[start : start + _HASH_CHUNK]
-        digest.update(memoryview(chunk).cast("B"))
-        max_id = max(max_id, int(chunk.max()))
-    if max_id >= VOCAB_SIZE:
-        raise ConfigError(
-            f"data.source={source}: token id {max_id} is outside the byte vocabulary (< {VOCAB_SIZE}); "
-            f"make the file with `keel prepare-data {source} FILES...`"
-        )
-    return TokenSource(tokens, "sha256:" + digest.hexdigest()[:16], str(path))
+    scan = scan_tokens(tokens)  # one pass for both the version hash and the vocabulary the data needs
+    description = f"{path}: {len(tokens):,} uint16 tokens, no sidecar (nanoGPT layout)"
+    origin = f"token ids up to {scan.max_id}"
+    return TokenSource(tokens, "sha256:" + scan.sha256[:16], description, scan.max_id + 1, origin)
 
 
-def write_token_file(out_path: str | os.PathLike, input_paths: list[str | os.PathLike]) -> int:
-    """Writes the bytes of `input_paths`, in order, as raw little-endian uint16; returns the token count."""
-    out_path = Path(out_path)
-    tmp_path = out_path.with_name(out_path.name + ".tmp")
-    count = 0
-    # Write beside the target and rename, so a failed run never leaves a truncated token file behind.
-    with open(tmp_path, "wb") as f:
-        for p in input_paths:
-            data = np.frombuffer(Path(p).read_bytes(), dtype=np.uint8)
-            data.astype("<u2").tofile(f)
-            count += len(data)
-    os.replace(tmp_path, out_path)
-    return count
-
-
-def prepare_data_main(argv: list[str]) -> int:
-    """`keel prepare-data OUT.bin FILE_OR_DIR...`: turns text files into a token file for data.source."""
-    usage = "usage: keel prepare-data OUT.bin FILE_OR_DIR...  (directories: all files, recursively, sorted)"
-    if argv[:1] in (["-h"], ["--help"]):
-        print(usage)
-        return EXIT_OK
-    if len(argv) < 2:
-        print(usage, file=sys.stderr)
-        return EXIT_CONFIG
-    out, inputs = Path(argv[0]), argv[1:]
-    files: list[Path] = []
-    for name in inputs:
-        p = Path(name)
-        if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.is_file() and f.resolve() != out.resolve())
-        elif p.is_file():
-            files.append(p)
-        else:
-            print(f"keel prepare-data: {name}: no such file or directory", file=sys.stderr)
-            return EXIT_CONFIG
-    if not any(f.stat().st_size for f in files):
-        print(f"keel prepare-data: the inputs {inputs} hold no bytes; pass non-empty text files", file=sys.stderr)
-        return EXIT_CONFIG
-    try:
-        count = write_token_file(out, files)
-    except OSError as e:
-        print(f"keel prepare-data: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    print(f"wrote {count:,} tokens from {len(files)} files to {out}")
-    return EXIT_OK
+def _megatron_tokens(source: str, bin_path: Path, idx_path: Path) -> TokenSource:
+    nbytes = bin_path.stat().st_size
+    index = read_index(source, idx_path, nbytes)
+    if nbytes == 0:
+        raise ConfigError(f"data.source={source}: {bin_path} holds no tokens")
+    tokens = np.memmap(bin_path, dtype=index.dtype, mode="r")
+    scan = scan_tokens(tokens)
+    if scan.min_id < 0:
+        raise ConfigError(f"data.source={source}: {bin_path} holds the negative token id {scan.min_id}; the .bin is damaged")
+    n_docs = max(len(index.document_indices) - 1, 0)
+    description = f"{bin_path} (Megatron, {idx_path.name}): {len(tokens):,} {index.dtype.name} tokens in {n_docs:,} documents"
+    origin = f"token ids up to {scan.max_id}"
+    return TokenSource(tokens, "sha256:" + scan.sha256[:16], description, scan.max_id + 1, origin)
 
 
 class BatchSampler:

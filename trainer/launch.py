@@ -25,6 +25,7 @@ from keel.trainer.config import ConfigError, JobConfig, check_run_dir, load_conf
 from keel.trainer.data import open_tokens
 from keel.trainer.lifetime import end_with_parent
 from keel.trainer.manifest import config_record, newest_manifest, vet_resume
+from keel.trainer.model_args import model_args
 
 # Flags passed through to torchrun so that the same command spans machines.
 TORCHRUN_OPTIONS = (
@@ -190,7 +191,8 @@ def main(argv: list[str]) -> int:
         resolve_run_dir(cfg)
         check_run_dir(cfg.run.run_dir)
         check_free(cfg.run.run_dir)  # a trainer still on this run (a resume beside it) is refused here
-        data = open_tokens(cfg.data.source, cfg.data.seq_len)  # a missing or empty data file fails here, not in 8 workers
+        # A missing, empty or too-wide data file fails here, once, not in every worker.
+        data = open_tokens(cfg.data.source, cfg.data.seq_len, model_args(cfg).vocab_size)
         layout_change = check_resume(cfg, data.version) if cfg.run.resume else None
         worker_argv = _strip_torchrun_values(argv) + [f"--run.run_id={cfg.run.run_id}", f"--run.run_dir={cfg.run.run_dir}"]
         cmd = torchrun_command(cfg, opts, worker_argv)

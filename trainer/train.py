@@ -114,7 +114,7 @@ class Trainer:
 
     def _build_data(self) -> None:
         cfg = self.cfg
-        self.source = open_tokens(cfg.data.source, cfg.data.seq_len)
+        self.source = open_tokens(cfg.data.source, cfg.data.seq_len, model_args(cfg).vocab_size)
         self.sampler = BatchSampler(
             self.source.tokens,
             cfg.data.seq_len,

@@ -1,0 +1,181 @@
+"""Keel's token files on disk: a flat array of token ids (nanoGPT's .bin layout) and a JSON sidecar that says
+what the ids mean.
+
+`OUT.bin` holds little-endian uint16 ids when the vocabulary fits in 16 bits, uint32 otherwise. `OUT.bin.json`
+holds the dtype, the vocabulary size, the tokenizer's identity (sha256 of its file), the end-of-document id,
+the token and document counts and the sha256 of the token bytes. A .bin without a sidecar is a plain
+nanoGPT file: uint16, its vocabulary only known from its largest id.
+
+Everything here reads and writes in bounded chunks, so a corpus larger than memory costs no more memory
+than a small one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from keel.trainer.config import ConfigError
+
+SIDECAR_FORMAT = "keel-tokens/1"
+FILE_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+SCAN_CHUNK = 64 * 1024 * 1024  # tokens per pass when hashing a file, so memory stays flat
+BYTE_CHUNK = 16 * 1024 * 1024  # bytes read at a time when the tokens are the bytes
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    """What `keel prepare-data` knew when it wrote a token file: the JSON beside it."""
+
+    dtype: str  # "uint16" or "uint32"
+    vocab_size: int  # the tokenizer's vocabulary: the model needs at least this many embeddings
+    tokenizer: dict  # {"kind": "bytes"} or {"kind": "huggingface", "file": name, "sha256": hex}
+    eod_id: int | None  # the id between documents; None when documents are simply concatenated
+    tokens: int
+    documents: int
+    sha256: str  # of the token bytes, as on disk
+    format: str = SIDECAR_FORMAT
+
+
+@dataclass(frozen=True)
+class TokenScan:
+    """One pass over a token array: its content hash and the range of its ids."""
+
+    sha256: str
+    min_id: int
+    max_id: int
+
+
+def sidecar_path(bin_path: str | os.PathLike) -> Path:
+    return Path(f"{bin_path}.json")
+
+
+def dtype_for_vocab(vocab_size: int) -> str:
+    """The narrowest file dtype that holds every id of a vocabulary."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def scan_tokens(tokens: np.ndarray) -> TokenScan:
+    """Hashes the array's bytes and finds its smallest and largest id, one bounded chunk at a time."""
+    digest = hashlib.sha256()
+    lo, hi = 0, 0
+    for start in range(0, len(tokens), SCAN_CHUNK):
+        chunk = tokens[start : start + SCAN_CHUNK]
+        digest.update(memoryview(np.ascontiguousarray(chunk)).cast("B"))
+        lo = min(lo, int(chunk.min())) if start else int(chunk.min())
+        hi = max(hi, int(chunk.max()))
+    return TokenScan(digest.hexdigest(), lo, hi)
+
+
+class TokenFileWriter:
+    """Writes a token file incrementally: ids go to `OUT.bin.tmp` as they come, hashed on the way, and the
+    file is renamed into place with its sidecar only when `finish` is called. Used as a context manager:
+    leaving it on an exception removes the partial file."""
+
+    def __init__(self, out_path: str | os.PathLike, vocab_size: int, tokenizer: dict, eod_id: int | None):
+        self.out_path = Path(out_path)
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+        self.eod_id = eod_id
+        self.dtype_name = dtype_for_vocab(vocab_size)
+        self.dtype = FILE_DTYPES[self.dtype_name]
+        self.tokens = 0
+        self.documents = 0
+        self._digest = hashlib.sha256()
+        self._tmp_path = self.out_path.with_name(self.out_path.name + ".tmp")
+        self._file = open(self._tmp_path, "wb")
+
+    def write(self, ids: np.ndarray) -> None:
+        data = np.ascontiguousarray(ids, dtype=self.dtype)
+        self._digest.update(memoryview(data).cast("B"))
+        self._file.write(memoryview(data).cast("B"))
+        self.tokens += len(data)
+
+    def end_document(self) -> None:
+        if self.eod_id is not None:
+            self.write(np.array([self.eod_id]))
+        self.documents += 1
+
+    def finish(self) -> Sidecar:
+        self._file.close()
+        sidecar = Sidecar(
+            self.dtype_name, self.vocab_size, self.tokenizer, self.eod_id, self.tokens, self.documents, self._digest.hexdigest()
+        )
+        # The sidecar goes first: a stale sidecar beside a new file fails its hash check at open, loudly,
+        # while a new sidecar can never be read beside a truncated file (the rename is atomic).
+        write_sidecar(self.out_path, sidecar)
+        os.replace(self._tmp_path, self.out_path)
+        return sidecar
+
+    def __enter__(self) -> TokenFileWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:  # nothing half-written is left where data.source could name it
+            self._file.close()
+            self._tmp_path.unlink(missing_ok=True)
+
+
+def write_sidecar(bin_path: Path, sidecar: Sidecar) -> None:
+    path = sidecar_path(bin_path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(asdict(sidecar), indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def read_sidecar(source: str, bin_path: Path) -> Sidecar:
+    """The sidecar of `bin_path`, checked for shape (not yet against the file: see `check_sidecar`)."""
+    path = sidecar_path(bin_path)
+    try:
+        fields = json.loads(path.read_text())
+        sidecar = Sidecar(**fields)
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(
+            f"data.source={source}: sidecar {path} is not a Keel token description ({e}); remake it with `keel prepare-data` or delete it to read the file as plain uint16"
+        ) from None
+    if sidecar.format != SIDECAR_FORMAT or sidecar.dtype not in FILE_DTYPES:
+        raise ConfigError(
+            f"data.source={source}: sidecar {path} has format {sidecar.format!r} and dtype {sidecar.dtype!r}; Keel reads {SIDECAR_FORMAT} with dtype uint16 or uint32"
+        )
+    return sidecar
+
+
+def check_sidecar(source: str, sidecar: Sidecar, nbytes: int, scan: TokenScan | None) -> None:
+    """Refuses a sidecar that does not describe its file: size, content hash, ids within its vocabulary."""
+    itemsize = FILE_DTYPES[sidecar.dtype].itemsize
+    if nbytes != sidecar.tokens * itemsize:
+        raise ConfigError(
+            f"data.source={source}: the sidecar says {sidecar.tokens:,} {sidecar.dtype} tokens ({sidecar.tokens * itemsize:,} bytes) but the file has {nbytes:,} bytes; remake it with `keel prepare-data`"
+        )
+    if scan is None:
+        return
+    if scan.sha256 != sidecar.sha256:
+        raise ConfigError(
+            f"data.source={source}: the file's sha256 {scan.sha256[:16]} is not its sidecar's {sidecar.sha256[:16]}: the tokens changed since they were written; remake it with `keel prepare-data`"
+        )
+    if scan.max_id >= sidecar.vocab_size:
+        raise ConfigError(
+            f"data.source={source}: token id {scan.max_id} is outside the sidecar's vocabulary of {sidecar.vocab_size}; remake it with `keel prepare-data`"
+        )
+
+
+def write_token_file(
+    out_path: str | os.PathLike, input_paths: list[str | os.PathLike], on_chunk: Callable[[int, int], None] | None = None
+) -> Sidecar:
+    """Writes the bytes of `input_paths`, in order, as uint16 tokens (vocabulary 256, no end-of-document id)
+    with its sidecar. `on_chunk(bytes_read, tokens_written)` follows the progress."""
+    with TokenFileWriter(out_path, 256, {"kind": "bytes"}, eod_id=None) as writer:
+        for path in input_paths:
+            with open(path, "rb") as f:
+                while chunk := f.read(BYTE_CHUNK):
+                    writer.write(np.frombuffer(chunk, dtype=np.uint8))
+                    if on_chunk is not None:
+                        on_chunk(len(chunk), writer.tokens)
+            writer.end_document()
+        return writer.finish()
