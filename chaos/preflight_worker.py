@@ -33,7 +33,7 @@ from keel.trainer.config import JobConfig
 from keel.trainer.data import BatchSampler, open_tokens
 from keel.trainer.distributed import init_distributed
 from keel.trainer.launch import parse_train_args
-from keel.trainer.model_args import count_params, model_args
+from keel.trainer.model_args import count_params, model_args, padded_vocab_size
 from keel.trainer.optim import build_optimizer, clip_grads
 from keel.trainer.step import forward_backward
 from keel.trainer.step_metrics import gather_rows
@@ -238,9 +238,10 @@ def checkpoint_disk(run_dir: str, world: int, local_rank: int) -> Check:
 
 def model_state_bytes(cfg: JobConfig) -> int:
     """fp32 parameters, gradients and AdamW's two moments (4+4+8 bytes per parameter) on one rank: split
-    by pp and tp, and over dp as the dp mode shards them (zero3: all, zero2: gradients and optimizer)."""
-    par = cfg.parallel
-    n = count_params(model_args(cfg))[0] / (par.pp * par.tp)
+    by pp and tp, and over dp as the dp mode shards them (zero3: all, zero2: gradients and optimizer). The
+    vocabulary counts its padded rows: they are allocated, trained or not."""
+    par, args = cfg.parallel, model_args(cfg)
+    n = count_params(args, padded_vocab_size(args.vocab_size, par.tp))[0] / (par.pp * par.tp)
     params, grads_and_adam = 4 * n, 12 * n
     mode = par.dp_mode if par.dp > 1 else "replicate"
     if mode == "zero3":
@@ -259,7 +260,7 @@ def activation_bytes(cfg: JobConfig) -> int:
     s, b, d, h, t = cfg.data.seq_len, cfg.microbatch_rows, args.dim, args.n_heads, par.tp
     per_layer = 2 * s * b * d * (10 + 24 / t + 5 * h * s / (d * t))
     in_flight = 1 if par.pp == 1 else tr.microbatches if par.pp_schedule == "GPipe" else min(tr.microbatches, par.pp)
-    logits = 2 * 4 * s * b * args.vocab_size
+    logits = 2 * 4 * s * b * padded_vocab_size(args.vocab_size, t)  # gathered padded, before the cut to the real vocabulary
     return int(per_layer * args.n_layers / par.pp * in_flight + logits)
 
 

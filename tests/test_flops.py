@@ -1,8 +1,12 @@
 """The FLOPs behind MFU come from the model Keel builds: every preset's parameter count, taken from the
 modules themselves (built on the meta device, so 405B costs nothing), equals the analytic count, and
-flops_per_token is 6 x the matmul parameters + attention's 12·layers·dim·seq (PaLM, appendix B)."""
+flops_per_token is 6 x the matmul parameters + attention's 12·layers·dim·seq (PaLM, appendix B). The
+matmul parameters are all but the embedding lookup, with the head counted once more when it is tied to
+the embedding (the same matrix, used as a matmul)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,15 +18,18 @@ from keel.trainer.model_args import MODEL_PRESETS, count_params, flops_per_token
 SEQ_LEN = 2048
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("preset", MODEL_PRESETS)
-def test_flops_per_token_counts_the_built_models_parameters(preset):
-    args = MODEL_PRESETS[preset]
+def test_flops_per_token_counts_the_built_models_parameters(preset, tied):
+    args = replace(MODEL_PRESETS[preset], tie_embeddings=tied)
     with torch.device("meta"):
         model = Transformer(args)
-    built = sum(p.numel() for p in model.parameters())
+    built = sum(p.numel() for p in model.parameters())  # a tied matrix once
     lookup = model.tok_embeddings.weight.numel()  # an embedding is a lookup, not a matmul
+    assert (model.output.weight is model.tok_embeddings.weight) == tied
     assert count_params(args) == (built, lookup)
-    assert flops_per_token(args, SEQ_LEN) == 6 * (built - lookup) + 12 * args.n_layers * args.dim * SEQ_LEN
+    head = model.output.weight.numel() if tied else 0  # a tied head is a matmul too, but not a parameter of its own
+    assert flops_per_token(args, SEQ_LEN) == 6 * (built - lookup + head) + 12 * args.n_layers * args.dim * SEQ_LEN
 
 
 def test_a_configured_peak_replaces_the_calibration_and_the_table():

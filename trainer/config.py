@@ -45,13 +45,19 @@ class ModelConfig:
     n_heads: int | None = None
     n_kv_heads: int | None = None
     ffn_dim: int | None = None
+    # The tokenizer's vocabulary (e.g. 50304, 128256): token ids must be below it. Built padded for tensor
+    # parallelism (keel.trainer.model_args.padded_vocab_size); counted unpadded.
+    vocab_size: int | None = None
+    # The head shares the token embedding's matrix (true in the 1b preset, as in Llama 3.2 1B). Needs the
+    # embedding and the head on one pipeline stage: refused with pp*pp_virtual_stages > 1.
+    tie_embeddings: bool | None = None
 
     def validate(self) -> None:
         if self.preset not in MODEL_PRESETS:
             raise ConfigError(f"model.preset={self.preset!r}: choose one of {sorted(MODEL_PRESETS)}")
         for name, value in vars(self).items():
-            if name != "preset" and value is not None:
-                at_least(f"model.{name}", value, 1)
+            if name not in ("preset", "tie_embeddings") and value is not None:
+                at_least(f"model.{name}", value, 1, f"set --model.{name} to a positive integer")
 
 
 @dataclass
@@ -434,10 +440,17 @@ def _validate_model_split(cfg: JobConfig) -> None:
             f"model.n_layers={args.n_layers} does not split over pp*pp_virtual_stages={par.pp}*{par.pp_virtual_stages}={par.n_stages} "
             f"pipeline stages; choose pp*pp_virtual_stages from {_divisors(args.n_layers)}"
         )
-    for name in ("n_heads", "n_kv_heads", "dim", "ffn_dim", "vocab_size"):
+    # The vocabulary needs no check: the embedding and the head are padded to split over any tp.
+    for name in ("n_heads", "n_kv_heads", "dim", "ffn_dim"):
         value = getattr(args, name)
         if value % par.tp:
             raise ConfigError(f"parallel.tp={par.tp}: model.{name}={value} is not divisible by tp; choose tp from {_divisors(value)}")
+    if args.tie_embeddings and par.n_stages > 1:
+        raise ConfigError(
+            f"model.tie_embeddings=true shares one matrix between the embedding (first pipeline stage) and the head (last), "
+            f"but pp*pp_virtual_stages={par.pp}*{par.pp_virtual_stages}={par.n_stages} puts them on different stages; "
+            f"set --pp 1 --parallel.pp_virtual_stages=1, or --model.tie_embeddings=false"
+        )
 
 
 def _validate_batch_split(cfg: JobConfig) -> None:

@@ -5,6 +5,9 @@ another sequence length) would continue a different run under the old one's name
 may change: a checkpoint holds the single model's tensors whatever the split (WholeModel) and the
 sampler draws the same global batches at any dp, so a run resumed at another layout follows the
 uninterrupted one (a dp2·tp2 run killed at step 57 and resumed at pp2·dp2 stayed within 5e-6 of it).
+One exception: the embedding and the head hold the vocabulary padded for the run's tp (64 x tp,
+model_args.padded_vocab_size), so a tp that pads to another number of rows is refused, with the tps that
+load it (the real vocabularies of the presets pad alike from tp1 to tp4).
 
 No torch here: `keel train` checks a resume before any worker starts, and the workers check again
 when they load (torchrun started directly has no launcher).
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from keel.monitor.run_dir import MANIFEST, list_checkpoints
 from keel.trainer.config import ConfigError, JobConfig
-from keel.trainer.model_args import model_args
+from keel.trainer.model_args import model_args, padded_vocab_size
 
 LAYOUT_FIELDS = ("pp", "dp", "tp", "pp_virtual_stages", "pp_schedule", "dp_mode")
 
@@ -27,7 +30,8 @@ LAYOUT_FIELDS = ("pp", "dp", "tp", "pp_virtual_stages", "pp_schedule", "dp_mode"
 def config_record(cfg: JobConfig, data_version: str) -> dict:
     """The manifest's fields about the config: the model's shape (its preset with the fields set), the
     data, the parallel layout, and config_hash over everything a resume must match."""
-    shape = dataclasses.asdict(model_args(cfg))
+    args = model_args(cfg)
+    shape = dataclasses.asdict(args)
     del shape["max_seq_len"]  # follows data.seq_len
     # data.skip_batches is not recorded: a resume may add a range to step over bad data.
     data = {"source": cfg.data.source, "seq_len": cfg.data.seq_len}
@@ -38,6 +42,7 @@ def config_record(cfg: JobConfig, data_version: str) -> dict:
         "model": shape,
         "data": data,
         "parallel": {k: getattr(cfg.parallel, k) for k in LAYOUT_FIELDS},
+        "vocab_rows": padded_vocab_size(args.vocab_size, cfg.parallel.tp),  # the saved embedding's and head's rows
     }
 
 
@@ -50,6 +55,7 @@ def resume_differences(saved: dict, now: dict) -> tuple[list[str], str | None]:
         for k, v in saved.get("model", {}).items()
         if now["model"].get(k) != v
     ]
+    refusals += _padding_refusal(saved, now)
     seq_len = saved.get("data", {}).get("seq_len", now["data"]["seq_len"])
     if seq_len != now["data"]["seq_len"]:
         refusals.append(f"data.seq_len: {seq_len} in the checkpoint, {now['data']['seq_len']} now")
@@ -62,6 +68,24 @@ def resume_differences(saved: dict, now: dict) -> tuple[list[str], str | None]:
     if all(layout.get(k, now["parallel"][k]) == now["parallel"][k] for k in LAYOUT_FIELDS):
         return refusals, None
     return refusals, f"parallel layout: {_layout(layout, now['parallel'])} in the checkpoint, {_layout(now['parallel'], layout)} now"
+
+
+def _padding_refusal(saved: dict, now: dict) -> list[str]:
+    """The line refusing a checkpoint whose vocabulary was padded to other rows than this run's tp pads it to
+    (its tensors would not fit), naming the tps that pad alike; none when the rows agree or the vocabulary
+    itself differs (refused as another model already)."""
+    vocab, rows = now["model"]["vocab_size"], now["vocab_rows"]
+    if saved.get("model", {}).get("vocab_size", vocab) != vocab:
+        return []
+    saved_rows = saved.get("vocab_rows", vocab)  # written before padding: the modules had the vocabulary's rows
+    if saved_rows == rows:
+        return []
+    same = [tp for tp in range(1, 65) if padded_vocab_size(vocab, tp) == saved_rows]
+    saved_tp = saved.get("parallel", {}).get("tp", "?")
+    return [
+        f"model.vocab_size={vocab} padded to {saved_rows} rows at tp={saved_tp} in the checkpoint, to {rows} at "
+        f"tp={now['parallel']['tp']} now (64 x tp); resume at tp from {same}"
+    ]
 
 
 def _layout(mine: dict, other: dict) -> str:

@@ -4,6 +4,11 @@ Layers live in a ModuleDict keyed by their global index, so a pipeline stage tha
 them still names its parameters exactly as the full model does ("layers.5.attention.wq.weight").
 That keeps tensor-parallel plans, checkpoints and the per-parameter initialization identical across
 parallel layouts. A stage without the embedding or the head simply has them set to None.
+
+The embedding and the head have `padded_vocab` rows (keel.trainer.model_args.padded_vocab_size: a multiple
+of 64 x tp, so tensor parallelism splits them evenly). The padding never shows: its rows start at zero,
+no token id reaches them, and the head's logits are cut back to the real vocabulary before the loss, so
+every layout computes the loss of the same unpadded model.
 """
 
 from __future__ import annotations
@@ -90,14 +95,23 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """The whole model, or one pipeline stage of it (`layer_ids`, `first`, `last`)."""
 
-    def __init__(self, args: ModelArgs, layer_ids: range | None = None, first: bool = True, last: bool = True):
+    def __init__(
+        self, args: ModelArgs, layer_ids: range | None = None, first: bool = True, last: bool = True, padded_vocab: int | None = None
+    ):
         super().__init__()
         self.args = args
+        self.padded_vocab = padded_vocab or args.vocab_size
+        if self.padded_vocab < args.vocab_size:
+            raise ValueError(f"padded_vocab={padded_vocab} is smaller than the vocabulary ({args.vocab_size})")
+        if args.tie_embeddings and not (first and last):
+            raise ValueError("tie_embeddings needs the embedding and the head in one stage (config validation refuses pp > 1)")
         layer_ids = range(args.n_layers) if layer_ids is None else layer_ids
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if first else None
+        self.tok_embeddings = nn.Embedding(self.padded_vocab, args.dim) if first else None
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in layer_ids})
         self.norm = RMSNorm(args.dim, args.norm_eps) if last else None
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if last else None
+        self.output = nn.Linear(args.dim, self.padded_vocab, bias=False) if last else None
+        if args.tie_embeddings:
+            self.tie_head()
         cos, sin = rotary_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -110,8 +124,27 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is not None:
-            h = self.output(self.norm(h))
+            h = self.real_vocab_logits(self.output(self.norm(h)))
         return h
+
+    def tie_head(self) -> None:
+        """Makes the head use the embedding's matrix: one parameter, both gradients summed into it. Called
+        again after tensor parallelism, which replaces each module's parameters with its own DTensor."""
+        self.output.weight = self.tok_embeddings.weight
+
+    def real_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits of the real vocabulary: the padded columns cut off, so the softmax and the loss are the
+        unpadded model's. A copy, not a slice: a view as an FSDP2 module's output would lose FSDP's pre-backward
+        hook to any in-place op on it (torch warns so). The gradient of the cut columns is zero."""
+        if logits.shape[-1] == self.args.vocab_size:
+            return logits
+        return logits[..., : self.args.vocab_size].contiguous()
+
+    def real_parameter_count(self) -> int:
+        """This module's parameters without the vocabulary padding: what model_args.count_params counts."""
+        padding_rows = self.padded_vocab - self.args.vocab_size
+        padded_matrices = {id(m.weight) for m in (self.tok_embeddings, self.output) if m is not None}
+        return sum(p.numel() for p in self.parameters()) - len(padded_matrices) * padding_rows * self.args.dim
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -119,10 +152,14 @@ class Transformer(nn.Module):
         depend on which other parameters this process holds, so every parallel layout starts from the
         same model as a single process."""
         out_std = 0.02 / math.sqrt(2 * self.args.n_layers)  # GPT-2: residual projections scaled by depth
-        for name, p in self.named_parameters():
+        for name, p in self.named_parameters():  # a tied head is named once, as tok_embeddings.weight
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
                 continue
             g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             std = out_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            if name in ("tok_embeddings.weight", "output.weight"):
+                # The real rows draw exactly what an unpadded matrix draws; the padding rows are zero.
+                p[self.args.vocab_size :].zero_()
+                p = p[: self.args.vocab_size]
             p.normal_(0.0, std, generator=g)

@@ -16,7 +16,10 @@ class ModelArgs:
     n_heads: int
     n_kv_heads: int
     ffn_dim: int
+    # The tokenizer's vocabulary, unpadded: what the data's token ids must stay below and what parameter
+    # counts and FLOPs count. The modules are built with padded_vocab_size rows (see there).
     vocab_size: int = 256  # byte-level tokens
+    tie_embeddings: bool = False  # the output head reuses the token embedding matrix (one parameter)
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
@@ -26,38 +29,68 @@ class ModelArgs:
         return self.dim // self.n_heads
 
 
-# The large presets have the layer shapes of Llama 3.2 1B, Llama 2 7B, Llama 3 70B and Llama 3.1 405B,
-# with Keel's byte vocabulary. They are used for FLOPs, MFU and (later) the planner; tiny and small train on a CPU.
+LLAMA2_VOCAB = 32_000  # Llama 2's SentencePiece vocabulary
+LLAMA3_VOCAB = 128_256  # Llama 3's tiktoken vocabulary (128,000 tokens + 256 special)
+
+# The large presets are Llama 3.2 1B (tied embeddings), Llama 2 7B, Llama 3 70B and Llama 3.1 405B, with their
+# own vocabularies: built on the meta device they hold 1.24 B, 6.74 B, 70.6 B and 405.9 B parameters
+# (tests/test_vocab.py). They are used for FLOPs, MFU and (later) the planner; tiny and small train on a CPU
+# on the builtin byte corpus, so their vocabulary is the 256 byte values.
 MODEL_PRESETS: dict[str, ModelArgs] = {
     "tiny": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=192),
     "small": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=8, ffn_dim=768),
-    "1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, rope_theta=500000.0),
-    "7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008),
-    "70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, rope_theta=500000.0),
-    "405b": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248, rope_theta=500000.0),
+    "1b": ModelArgs(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=LLAMA3_VOCAB, tie_embeddings=True, rope_theta=500000.0
+    ),
+    "7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=LLAMA2_VOCAB),
+    "70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=LLAMA3_VOCAB, rope_theta=500000.0),
+    "405b": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=LLAMA3_VOCAB, rope_theta=500000.0),
 }
+
+# The embedding and the head are built with the vocabulary padded to a multiple of this times the tensor-parallel
+# degree, as Megatron-LM does (make_vocab_size_divisible_by x tp; Megatron's default factor is 128): every tp rank
+# then holds an equal slice of rows of a GPU-friendly size. Llama 3's 128,256 rows need no padding up to tp4,
+# Llama 2's 32,000 none up to tp4 either; 300 becomes 320 at tp1 and 384 at tp2.
+VOCAB_PAD_MULTIPLE = 64
+
+# The model config fields that override a preset when set (keel.trainer.config.ModelConfig has each of them).
+OVERRIDABLE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
 
 
 def model_args(cfg) -> ModelArgs:
     """The preset named in cfg.model with the fields the config sets explicitly."""
     base = MODEL_PRESETS[cfg.model.preset]
-    fields = {k: getattr(cfg.model, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")}
+    fields = {k: getattr(cfg.model, k) for k in OVERRIDABLE_FIELDS}
     fields = {k: v for k, v in fields.items() if v is not None}
     if "n_heads" in fields and "n_kv_heads" not in fields and base.n_kv_heads == base.n_heads:
         fields["n_kv_heads"] = fields["n_heads"]
     return ModelArgs(**{**base.__dict__, **fields, "max_seq_len": max(base.max_seq_len, cfg.data.seq_len)})
 
 
-def count_params(args: ModelArgs) -> tuple[int, int]:
-    """(all parameters, token-embedding parameters) of the full model, computed from its shape."""
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """The rows the embedding and the head are built with at tensor-parallel degree `tp` (Megatron-LM's
+    _vocab_size_with_padding). The padded rows start at zero, are never looked up, and their logits are cut
+    off before the loss (keel.trainer.model), so they change neither the loss nor the real rows."""
+    multiple = VOCAB_PAD_MULTIPLE * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def count_params(args: ModelArgs, vocab_rows: int | None = None) -> tuple[int, int]:
+    """(all parameters, token-embedding parameters) of the full model, computed from its shape. The
+    vocabulary counts `vocab_rows` rows when given (the padded modules, for memory), else the real
+    vocabulary (the model as named and trained, for FLOPs). A tied head adds no parameter."""
     d, kv = args.dim, args.n_kv_heads * args.head_dim
     per_layer = d * d * 2 + d * kv * 2 + 3 * d * args.ffn_dim + 2 * d
-    embedding = args.vocab_size * d
-    return args.n_layers * per_layer + embedding + d + args.vocab_size * d, embedding
+    embedding = (vocab_rows or args.vocab_size) * d
+    head = 0 if args.tie_embeddings else embedding
+    return args.n_layers * per_layer + embedding + d + head, embedding
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Training FLOPs per token as the PaLM paper counts them (its appendix B): 6·N + 12·layers·dim·seq_len, where N is
-    every parameter but the token embedding (a lookup, not a matmul; the output head does count)."""
+    every parameter used in a matmul: all but the token embedding (a lookup), plus the output head, which is a
+    matmul whether or not it shares the embedding's matrix. Counted over the real vocabulary: the padded columns
+    are not the model's work, and MFU counts the model's work only."""
     total, embedding = count_params(args)
-    return 6 * (total - embedding) + 12 * args.n_layers * args.dim * seq_len
+    head = args.vocab_size * args.dim if args.tie_embeddings else 0  # untied, it is already in total
+    return 6 * (total - embedding + head) + 12 * args.n_layers * args.dim * seq_len

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from keel.trainer.config import DataParallelMode, JobConfig
 from keel.trainer.model import Transformer
-from keel.trainer.model_args import ModelArgs
+from keel.trainer.model_args import ModelArgs, padded_vocab_size
 
 # The train loop's logger: the stages built belong to its start-up story in the rank logs.
 log = logging.getLogger("keel.train")
@@ -65,8 +65,10 @@ def stage_ids(cfg: JobConfig, pp_rank: int) -> list[int]:
 def build_stage_model(args: ModelArgs, cfg: JobConfig, stage: int, device: torch.device) -> Transformer:
     n_stages = cfg.parallel.n_stages
     per_stage = args.n_layers // n_stages
+    layer_ids = range(stage * per_stage, (stage + 1) * per_stage)
+    padded_vocab = padded_vocab_size(args.vocab_size, cfg.parallel.tp)
     with torch.device(device):
-        model = Transformer(args, range(stage * per_stage, (stage + 1) * per_stage), first=stage == 0, last=stage == n_stages - 1)
+        model = Transformer(args, layer_ids, first=stage == 0, last=stage == n_stages - 1, padded_vocab=padded_vocab)
     model.init_weights(cfg.training.seed)
     return model
 
@@ -74,7 +76,8 @@ def build_stage_model(args: ModelArgs, cfg: JobConfig, stage: int, device: torch
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
     """Megatron-style: q/k/v and gate/up split by output column, attention out and down by input row,
     so each block needs one all-reduce forward and one backward. The embedding is split by vocabulary
-    rows and the head by vocabulary columns, gathered back so the loss sees whole logits."""
+    rows and the head by vocabulary columns, gathered back so the loss sees whole logits; both are built
+    padded to a multiple of 64 x tp rows (model_args.padded_vocab_size), so every rank holds an equal slice."""
     plan = {}
     if model.tok_embeddings is not None:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
@@ -86,6 +89,10 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
         plan[f"layers.{i}.attention.wo"] = RowwiseParallel()
         plan[f"layers.{i}.feed_forward.w2"] = RowwiseParallel()
     parallelize_module(model, tp_mesh, plan)
+    if model.args.tie_embeddings:
+        # The plan gave the embedding and the head a DTensor each; both are Shard(0) over the same rows,
+        # so the head can take the embedding's back and the matrix stays one parameter.
+        model.tie_head()
     if model.output is not None:
         # Gathered by Keel rather than by the plan (output_layouts=Replicate): DTensor's to_local() returns
         # a view, and a view as an FSDP2 module's output would lose FSDP's pre-backward hook to any in-place
@@ -139,7 +146,8 @@ def build_model_parts(cfg: JobConfig, args: ModelArgs, layout: Layout, device: t
     parts = []
     for stage in stage_ids(cfg, layout.pp_rank):
         model = build_stage_model(args, cfg, stage, device)
-        log.info("pipeline stage %d built: %d parameters", stage, sum(p.numel() for p in model.parameters()))
+        padding = sum(p.numel() for p in model.parameters()) - model.real_parameter_count()
+        log.info("pipeline stage %d built: %d parameters (+%d of vocabulary padding)", stage, model.real_parameter_count(), padding)
         if layout.tp > 1:
             apply_tensor_parallel(model, layout.mesh["tp"])
         if uses_fsdp(cfg):

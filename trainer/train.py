@@ -101,6 +101,7 @@ class Trainer:
         log.info("process group up: rank %d of %d on %s", self.rank, self.world, device)
         self.layout = parallel.build_layout(cfg, device)
         self.model_args = model_args(cfg)
+        # The real vocabulary, not the padded one the modules are built with: MFU counts the model's own work.
         self.flop_per_token = flops_per_token(self.model_args, cfg.data.seq_len)
         self.parts = parallel.build_model_parts(cfg, self.model_args, self.layout, device, bf16)
         self.faults = FaultPlan(fault_plan(cfg, self.world), self.rank, self.run_dir)
@@ -264,7 +265,7 @@ class Trainer:
         """This rank's inputs and targets, on the device; rank 0 records the batches the sampler passed over."""
         inputs, targets = self.sampler.next_batch()
         rejected = self.sampler.take_rejected()
-        if rejected:
+        if rejected:  # ids at or past the real vocabulary: a padded row of the embedding is no token either
             self.incidents.bad_batches(self.step, self.attempt, rejected, self.model_args.vocab_size)
         return torch.from_numpy(inputs).to(self.device, non_blocking=True), torch.from_numpy(targets).to(self.device, non_blocking=True)
 
