@@ -39,7 +39,8 @@ def bare_loop(config: str, steps: int) -> list[float]:
 
     cfg = load_config(config, {"parallel.pp": 1, "parallel.dp": 1, "parallel.tp": 1, "training.steps": steps})
     o = cfg.optim
-    model = Transformer(model_args(cfg))
+    args = model_args(cfg)
+    model = Transformer(args)
     model.init_weights(cfg.training.seed)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -50,7 +51,7 @@ def bare_loop(config: str, steps: int) -> list[float]:
         eps=o.eps,
     )
     data = BatchSampler(
-        open_tokens(cfg.data.source, cfg.data.seq_len).tokens, cfg.data.seq_len, cfg.training.global_batch_size, 0, 1, cfg.training.seed
+        open_tokens(cfg.data.source, cfg.data.seq_len, args.vocab_size).tokens, cfg.data.seq_len, cfg.training.global_batch_size, 0, 1, cfg.training.seed
     )
     m = cfg.training.microbatches
     times, last = [], time.perf_counter()
