@@ -53,6 +53,10 @@ CASES = {
     "beta at 1": (["--optim.beta2=1"], ["optim.beta2=1.0", "[0, 1)"]),
     "negative peak": (["--metrics.peak_tflops=-1"], ["metrics.peak_tflops=-1.0", "0 uses the GPU's data-sheet peak"]),
     "resume without a run": (["--resume", "no/such/run"], ["--resume no/such/run", "no config.toml"]),
+    "a vocabulary far too big for the machine": (
+        ["--model.vocab_size=1000000000000"],
+        ["model.vocab_size=1000000000000", "choose a smaller model"],
+    ),
 }
 
 

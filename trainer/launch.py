@@ -25,7 +25,7 @@ from keel.trainer.config import ConfigError, JobConfig, check_run_dir, load_conf
 from keel.trainer.data import open_tokens
 from keel.trainer.lifetime import end_with_parent
 from keel.trainer.manifest import config_record, newest_manifest, vet_resume
-from keel.trainer.model_args import model_args
+from keel.trainer.model_args import count_params, model_args, padded_vocab_size
 
 # Flags passed through to torchrun so that the same command spans machines.
 TORCHRUN_OPTIONS = (
@@ -169,6 +169,29 @@ def name_multi_node_run(cfg: JobConfig, opts: argparse.Namespace) -> None:
     cfg.run.run_id = opts.rdzv_id
 
 
+# fp32 weights, gradients and AdamW's two moments: what every parameter holds however the layout splits it.
+MODEL_STATE_BYTES_PER_PARAM = 16
+
+
+def check_model_fits(cfg: JobConfig, nnodes: int) -> None:
+    """Refuses a model whose states alone cannot fit in this machine's memory, in one line before any
+    worker starts: a typo in model.* (a vocabulary or width a thousand times too big) otherwise ends in
+    every worker's allocation traceback. A lower bound (no activations), checked on CPU machines only:
+    a GPU job's states live in GPU memory, which the planner accounts for."""
+    if os.path.exists("/dev/nvidiactl"):
+        return
+    args = model_args(cfg)
+    params = count_params(args, padded_vocab_size(args.vocab_size, cfg.parallel.tp))[0]
+    needed = MODEL_STATE_BYTES_PER_PARAM * params / nnodes
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > memory:
+        fields = ", ".join(f"model.{k}={getattr(args, k)}" for k in ("vocab_size", "dim", "n_layers", "ffn_dim"))
+        raise ConfigError(
+            f"{fields}: {params:,} parameters need at least {needed / 2**30:,.0f} GiB per node for weights, gradients and "
+            f"optimizer state, more than this machine's {memory / 2**30:,.0f} GiB; choose a smaller model or more nodes (--nnodes)"
+        )
+
+
 def torchrun_command(cfg: JobConfig, opts: argparse.Namespace, worker_argv: list[str], module: str = "keel.trainer.train") -> list[str]:
     if cfg.world_size % opts.nnodes:
         raise ConfigError(f"--nnodes={opts.nnodes}: pp*dp*tp={cfg.world_size} processes do not split evenly over the nodes")
@@ -193,6 +216,7 @@ def main(argv: list[str]) -> int:
         check_free(cfg.run.run_dir)  # a trainer still on this run (a resume beside it) is refused here
         # A missing, empty or too-wide data file fails here, once, not in every worker.
         data = open_tokens(cfg.data.source, cfg.data.seq_len, model_args(cfg).vocab_size)
+        check_model_fits(cfg, opts.nnodes)
         layout_change = check_resume(cfg, data.version) if cfg.run.resume else None
         worker_argv = _strip_torchrun_values(argv) + [f"--run.run_id={cfg.run.run_id}", f"--run.run_dir={cfg.run.run_dir}"]
         cmd = torchrun_command(cfg, opts, worker_argv)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from keel.monitor.checkpoints import sha256_file
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
 from keel.trainer.token_files import Sidecar, TokenFileWriter, write_token_file
 
@@ -91,7 +92,7 @@ def prepare(opts: argparse.Namespace, files: list[Path]) -> Sidecar:
         eod = tt.eod_id(tokenizer, str(tokenizer_path), opts.eod)
     except tt.TokenizerError as e:
         raise UsageError(str(e)) from None
-    identity = {"kind": "huggingface", "file": tokenizer_path.name, "sha256": tt.file_sha256(tokenizer_path)}
+    identity = {"kind": "huggingface", "file": tokenizer_path.name, "sha256": sha256_file(tokenizer_path)}
     progress = Progress(sum(f.stat().st_size for f in files))
     with TokenFileWriter(opts.out, tokenizer.get_vocab_size(), identity, eod) as writer:
 

@@ -13,7 +13,6 @@ Imported only by `keel prepare-data`, so training never pays for importing the t
 from __future__ import annotations
 
 import codecs
-import hashlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,14 +43,6 @@ class Chunk:
     text: str
     nbytes: int  # the bytes of the file read for this chunk, for the progress line
     last_of_document: bool
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
