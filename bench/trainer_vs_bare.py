@@ -51,7 +51,12 @@ def bare_loop(config: str, steps: int) -> list[float]:
         eps=o.eps,
     )
     data = BatchSampler(
-        open_tokens(cfg.data.source, cfg.data.seq_len, args.vocab_size).tokens, cfg.data.seq_len, cfg.training.global_batch_size, 0, 1, cfg.training.seed
+        open_tokens(cfg.data.source, cfg.data.seq_len, args.vocab_size).tokens,
+        cfg.data.seq_len,
+        cfg.training.global_batch_size,
+        0,
+        1,
+        cfg.training.seed,
     )
     m = cfg.training.microbatches
     times, last = [], time.perf_counter()

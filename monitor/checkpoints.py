@@ -7,23 +7,15 @@ dashboard lists them. No torch here.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import pandas as pd
 
+from keel.monitor.hashing import sha256_file
 from keel.monitor.run_dir import MANIFEST, checkpoint_name, list_checkpoints
 
 CHECKPOINT_COLUMNS = ("step", "attempt", "folder", "size_bytes", "blocked_s", "write_s", "state")
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def verify(path: Path) -> str | None:

@@ -34,7 +34,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from keel.monitor.checkpoints import sha256_file, verify
+from keel.monitor.checkpoints import verify
+from keel.monitor.hashing import sha256_file
 from keel.monitor.run_dir import CHECKPOINT_DIR, MANIFEST, checkpoint_name, list_checkpoints
 from keel.trainer.config import CheckpointConfig, JobConfig
 from keel.trainer.manifest import config_record, vet_resume

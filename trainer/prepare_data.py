@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from keel.monitor.checkpoints import sha256_file
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
+from keel.monitor.hashing import sha256_file
 from keel.trainer.token_files import Sidecar, TokenFileWriter, write_token_file
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
