@@ -33,7 +33,7 @@ from keel.trainer.config import JobConfig
 from keel.trainer.data import BatchSampler, open_tokens
 from keel.trainer.distributed import init_distributed
 from keel.trainer.launch import parse_train_args
-from keel.trainer.model_args import count_params, model_args, padded_vocab_size
+from keel.trainer.model_args import allocated_params, model_args, padded_vocab_size
 from keel.trainer.optim import build_optimizer, clip_grads
 from keel.trainer.step import forward_backward
 from keel.trainer.step_metrics import gather_rows
@@ -241,7 +241,7 @@ def model_state_bytes(cfg: JobConfig) -> int:
     by pp and tp, and over dp as the dp mode shards them (zero3: all, zero2: gradients and optimizer). The
     vocabulary counts its padded rows: they are allocated, trained or not."""
     par, args = cfg.parallel, model_args(cfg)
-    n = count_params(args, padded_vocab_size(args.vocab_size, par.tp))[0] / (par.pp * par.tp)
+    n = allocated_params(args, par.tp) / (par.pp * par.tp)
     params, grads_and_adam = 4 * n, 12 * n
     mode = par.dp_mode if par.dp > 1 else "replicate"
     if mode == "zero3":

@@ -25,7 +25,7 @@ from keel.trainer.config import ConfigError, JobConfig, check_run_dir, load_conf
 from keel.trainer.data import open_tokens
 from keel.trainer.lifetime import end_with_parent
 from keel.trainer.manifest import config_record, newest_manifest, vet_resume
-from keel.trainer.model_args import count_params, model_args, padded_vocab_size
+from keel.trainer.model_args import allocated_params, model_args
 
 # Flags passed through to torchrun so that the same command spans machines.
 TORCHRUN_OPTIONS = (
@@ -181,7 +181,7 @@ def check_model_fits(cfg: JobConfig, nnodes: int) -> None:
     if os.path.exists("/dev/nvidiactl"):
         return
     args = model_args(cfg)
-    params = count_params(args, padded_vocab_size(args.vocab_size, cfg.parallel.tp))[0]
+    params = allocated_params(args, cfg.parallel.tp)
     needed = MODEL_STATE_BYTES_PER_PARAM * params / nnodes
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if needed > memory:

@@ -86,6 +86,12 @@ def count_params(args: ModelArgs, vocab_rows: int | None = None) -> tuple[int, i
     return args.n_layers * per_layer + embedding + d + head, embedding
 
 
+def allocated_params(args: ModelArgs, tp: int) -> int:
+    """The parameters the modules hold at tensor-parallel degree `tp`: count_params with the vocabulary's
+    padded rows, which are allocated (for memory) though never trained."""
+    return count_params(args, padded_vocab_size(args.vocab_size, tp))[0]
+
+
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Training FLOPs per token as the PaLM paper counts them (its appendix B): 6·N + 12·layers·dim·seq_len, where N is
     every parameter used in a matmul: all but the token embedding (a lookup), plus the output head, which is a
