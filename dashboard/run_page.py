@@ -175,7 +175,7 @@ def _rank_charts(ranks: pd.DataFrame, stragglers: pd.DataFrame, steps: tuple[int
     with memory:
         peak = ranks.groupby("rank", as_index=False).mem_peak_bytes.max()
         peak["GiB"] = peak.mem_peak_bytes.astype("float64") / 2**30
-        bars = bar_chart(peak, "rank", "ordinal", "GiB", "peak memory by rank (GiB)", _rank_rows(ranks))
+        bars = bar_chart(peak, "rank", "ordinal", "GiB", "peak GiB by rank", _rank_rows(ranks))
         st.vega_lite_chart(spec=bars, key="rank-memory")
 
 

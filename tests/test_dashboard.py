@@ -226,7 +226,7 @@ def test_run_page_of_a_hang_and_restart_marks_both_and_covers_every_rank(drill_r
     assert sorted(set(cells["rank"])) == list(range(8))
     for _, rows in cells.groupby("rank"):  # every rank, every step of the run
         assert rows.first_step.min() == 1 and rows.last_step.max() == 16 and rows.rows.sum() >= 16
-    [memory] = charts["peak memory by rank (GiB)"]
+    [memory] = charts["peak GiB by rank"]
     assert sorted(memory["rank"]) == list(range(8)) and (memory.GiB > 0).all()
 
 
