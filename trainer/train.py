@@ -499,5 +499,16 @@ def own_run_dir(run_dir: str, rank: int, world: int) -> tuple[contextlib.Abstrac
     return owner, refused
 
 
+def exit_worker(code: int) -> None:
+    """Ends the worker without Python's teardown of its modules: with torch, DTensor, FSDP and pipelining
+    imported, that teardown takes 1.7 s of CPU per process (7 s of a pp2 dp2 tp2 job's wall clock on two
+    cores), at every exit and every restart. What the run writes was closed by then (the store, the
+    sinks, the checkpoint writer); the logs and the standard streams are flushed here."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_worker(main())
