@@ -15,8 +15,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -163,6 +161,11 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def build_schedule(cfg: JobConfig, parts: list[Transformer], layout: Layout, device: torch.device, last_stage_loss):
     """A torch.distributed.pipelining schedule over this rank's stages. Gradients are scaled by
     1/microbatches (scale_grads) so the loss matches the mean over the whole batch."""
+    # Imported here, by pipelined runs only: torch.distributed.pipelining costs every process that imports
+    # it 0.8 s of CPU at start (and at each restart), a third of what a worker's imports cost beyond torch.
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
+
     group = layout.group("pp")
     stages = [
         PipelineStage(part, stage, cfg.parallel.n_stages, device, group=group) for part, stage in zip(parts, stage_ids(cfg, layout.pp_rank))
