@@ -195,7 +195,8 @@ def check_model_fits(cfg: JobConfig, nnodes: int) -> None:
 def torchrun_command(cfg: JobConfig, opts: argparse.Namespace, worker_argv: list[str], module: str = "keel.trainer.train") -> list[str]:
     if cfg.world_size % opts.nnodes:
         raise ConfigError(f"--nnodes={opts.nnodes}: pp*dp*tp={cfg.world_size} processes do not split evenly over the nodes")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.world_size // opts.nnodes}", f"--nnodes={opts.nnodes}"]
+    # keel.trainer.agent is torchrun itself, only quicker to exit.
+    cmd = [sys.executable, "-m", "keel.trainer.agent", f"--nproc-per-node={cfg.world_size // opts.nnodes}", f"--nnodes={opts.nnodes}"]
     if opts.nnodes == 1 and not opts.rdzv_endpoint and not opts.master_addr:
         cmd.append("--standalone")  # a free local port, no fixed 29500 to collide on
     for name in TORCHRUN_OPTIONS[2:]:
