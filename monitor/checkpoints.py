@@ -2,18 +2,21 @@
 saves with their cost (from the `checkpoint_saved` events) and their state on disk.
 
 The trainer writes the manifests (keel.trainer.checkpoint) and verifies them before loading; the
-dashboard lists them. No torch here.
+dashboard lists them. No torch here, and pandas only in the dashboard's table (every trainer process
+imports `verify`).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from keel.monitor.hashing import sha256_file
 from keel.monitor.run_dir import MANIFEST, checkpoint_name, list_checkpoints
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 CHECKPOINT_COLUMNS = ("step", "attempt", "folder", "size_bytes", "blocked_s", "write_s", "state")
 
@@ -38,6 +41,8 @@ def checkpoint_table(run_dir: str | Path, events: pd.DataFrame, verify_one=verif
     "corrupt: <why>" or "removed" (by retention, or by a rollback past it); a finished checkpoint found
     on disk without a save event (a run resumed from elsewhere) is listed too. `verify_one` lets a
     caller cache the hashing of large files."""
+    import pandas as pd  # loaded already: `events` is a DataFrame
+
     saved = events[events.kind == "checkpoint_saved"]
     on_disk = dict(list_checkpoints(run_dir))
     rows = {}

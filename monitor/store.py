@@ -7,6 +7,9 @@ committed step survives the writer being killed.
 
 Steps can repeat: a rollback or a restart runs the same step numbers again under a higher `attempt`.
 All attempts are kept; `read_steps(run_dir, effective=True)` gives the trajectory that counts.
+
+pandas is imported by the readers only, when they first read: the writer is imported by every trainer
+process, to which pandas would add 0.5 s of CPU at each start.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ import time as _time
 from collections.abc import Iterable, Mapping
 from contextlib import closing
 from pathlib import Path
-from typing import Any
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from keel.monitor.run_dir import STORE_FILE
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 # Column -> Python type, in table order. The DDL, the binding and the reader's dtypes all come from here.
 _STEP_TYPES: dict[str, type] = {
@@ -209,6 +213,8 @@ def _connect_read_only(run_dir: str | Path) -> sqlite3.Connection:
 
 def _query(run_dir: str | Path, sql: str, params: tuple | dict = ()) -> pd.DataFrame:
     # Plain sqlite3 rather than pd.read_sql_query, so that errors stay sqlite3.Error for callers.
+    import pandas as pd
+
     with closing(_connect_read_only(run_dir)) as conn:
         cursor = conn.execute(sql, params)
         return pd.DataFrame(cursor.fetchall(), columns=[d[0] for d in cursor.description])
@@ -262,6 +268,8 @@ def abandoned_mask(steps: pd.DataFrame, attempt_starts: pd.Series | None = None)
     read_attempt_starts) is needed when `steps` holds only part of the run, such as a step range.
     """
     if "step" not in steps or "attempt" not in steps or steps.empty:
+        import pandas as pd  # loaded already: `steps` is a DataFrame
+
         return pd.Series(False, index=steps.index)
     first_step = (steps.groupby("attempt")["step"].min() if attempt_starts is None else attempt_starts).sort_index()
     # Minimum first step over the attempts after each one; NaN for the last attempt.
@@ -292,8 +300,9 @@ def store_version(run_dir: str | Path) -> tuple[int, ...]:
 
 def step_bounds(run_dir: str | Path) -> tuple[int, int] | None:
     """The first and last step recorded (any attempt), or None before the first step."""
-    first, last = _query(run_dir, "SELECT MIN(step), MAX(step) FROM steps").iloc[0]
-    return None if pd.isna(first) else (int(first), int(last))
+    with closing(_connect_read_only(run_dir)) as conn:
+        first, last = conn.execute("SELECT MIN(step), MAX(step) FROM steps").fetchone()
+    return None if first is None else (first, last)
 
 
 # Bucket b of n over steps lo..hi holds the steps s with (s - lo) * n // (hi - lo + 1) == b.

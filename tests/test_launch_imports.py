@@ -28,3 +28,12 @@ def test_a_config_error_ends_before_torch_is_imported(args):
     assert proc.returncode == 0, proc.stderr
     assert "keel train: error:" in proc.stderr
     assert proc.stdout.split() == ["2", "False"], "`keel train` imported torch before reporting a config error"
+
+
+def test_a_worker_starts_without_pandas():
+    """Every process of every run (and of every restart) pays for what the training module imports:
+    pandas alone is 0.5 s of CPU, and only rank 0 needs it, once, at the end of a run (goodput)."""
+    code = "import sys, keel.trainer.train; print('pandas' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False"], "importing keel.trainer.train imported pandas"

@@ -20,7 +20,6 @@ from keel.chaos.fault_specs import parse_fault, random_faults
 from keel.chaos.faults import FaultPlan
 from keel.monitor import run_lock
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK, EXIT_ROLLBACK_CAP
-from keel.monitor.goodput import goodput_of_run
 from keel.monitor.redact import redact
 from keel.monitor.run_dir import CONFIG_FILE, LOG_DIR, STORE_FILE, rank_log_name
 from keel.monitor.store import read_events, read_steps
@@ -382,6 +381,9 @@ class Trainer:
         self.progress.finish()
         if self.exit_code == EXIT_OK:
             recorder.event("run_finished", f"{cfg.training.steps} steps", step=cfg.training.steps, attempt=self.attempt, rank=0)
+        # Imported here: goodput needs pandas, 0.5 s of CPU that only rank 0 pays, once, at the end.
+        from keel.monitor.goodput import goodput_of_run
+
         goodput = goodput_of_run(self.run_dir)
         recorder.store.set_meta("goodput", goodput.to_dict())
         recorder.event("goodput", goodput.summary(), step=self.step, attempt=self.attempt, rank=0, data=goodput.to_dict())
