@@ -42,6 +42,8 @@ from keel.trainer.step_metrics import StepReporter
 from keel.trainer.watchdog import Watchdog, stalled_dumps
 
 log = logging.getLogger("keel.train")
+# How long a worker other than rank 0 waits, on a config error, for rank 0 to report it (see main).
+CONFIG_ERROR_GRACE_S = 10.0
 
 
 class Trainer:
@@ -462,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
             print(f"keel train: error: {e}", file=sys.stderr)
+        else:
+            # Rank 0 reports it. torchrun stops every worker as soon as one exits, so the others give rank 0
+            # the time to, and are stopped when it exits (its exit code is the one torchrun reports).
+            time.sleep(CONFIG_ERROR_GRACE_S)
         return EXIT_CONFIG
     faulthandler.enable()  # a segfault leaves the Python stacks in the worker's stderr
     end_with_parent()  # torchrun's death (or its launcher's) ends this worker too
@@ -475,8 +481,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg.run.run_id, cfg.run.run_dir = names
     owner, refused = own_run_dir(cfg.run.run_dir, rank, world)
     if refused:
-        if rank == 0:
-            print(f"keel train: error: {refused}", file=sys.stderr)
         return EXIT_CONFIG
     with owner:
         Trainer(cfg, device, rank, world, process_start).train()
@@ -494,6 +498,8 @@ def own_run_dir(run_dir: str, rank: int, world: int) -> tuple[contextlib.Abstrac
             owner = run_lock.own(run_dir)
         except run_lock.RunDirBusy as e:
             refused = str(e)
+            # Printed before the others learn of it: they exit at once, and torchrun then stops rank 0.
+            print(f"keel train: error: {refused}", file=sys.stderr, flush=True)
     if world > 1:
         verdict = [refused]
         dist.broadcast_object_list(verdict, src=0)
