@@ -112,12 +112,23 @@ def _json_default(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else str(value)
 
 
+def _create_store(path: Path) -> None:
+    """A new store, its tables made under a temporary name and renamed into place: a reader that finds
+    the store (the dashboard, a test polling a starting run) never sees it without its tables."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    with closing(sqlite3.connect(tmp)) as conn:
+        conn.executescript(_SCHEMA)
+    os.replace(tmp, path)
+
+
 class RunStore:
     """Writer for one run's store. Create it once per process and reuse it; safe to share between threads."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / STORE_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.path.exists():
+            _create_store(self.path)
         # Our lock, not sqlite's, keeps one thread's transaction from taking in another thread's rows.
         self._conn = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, check_same_thread=False)
         self._lock = threading.Lock()
