@@ -15,11 +15,12 @@ Two shared CPU cores are noisy, and windows of seconds see that noise where the 
 minutes would not: one step's tokens/s varies by about 35%, and a clean run on CI once had one rank
 2.2x slower than its peer for 16 s (a noisy neighbour on its core: a straggler score of 0.45). So the
 faults are far outside that noise, and the thresholds sit between the two:
-- the straggler sleeps 1.2 s a step (a score of about 0.15); the straggler threshold is 0.25;
+- the straggler sleeps 1.2 s a step (scores of 0.16 and 0.19 measured in two runs here); the straggler
+  threshold is 0.25;
 - the throughput ratio is 0.5, not 0.95;
 - MFU and communication share on CPU cores are nothing like a GPU's, so those thresholds come from the
   faulty run's first clean steps (the rules are loaded then, by a reload): a third of the measured MFU
-  (against one peak set for both runs; the straggler brings it to about a seventh), and halfway between
+  (against one peak set for both runs; the straggler brought it to 0.11 and 0.14 of it), and halfway between
   the measured communication share and what the straggler makes it.
 The other thresholds are Keel's defaults.
 """

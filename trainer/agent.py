@@ -15,7 +15,9 @@ from torch.distributed.run import main as torchrun_main
 
 
 def run_agent() -> int:
-    """torchrun's exit status, as the interpreter would have made it."""
+    """torchrun's exit status: 0, SystemExit's code (argparse's 2), or 1 with the traceback for any other
+    exception, as the interpreter gives. Ctrl-C also gives 1 here, where the interpreter would end by
+    SIGINT; `keel train` gets the same Ctrl-C and returns its own code."""
     try:
         torchrun_main()
     except SystemExit as e:  # argparse's usage errors (2), or an explicit exit

@@ -162,7 +162,7 @@ def build_schedule(cfg: JobConfig, parts: list[Transformer], layout: Layout, dev
     """A torch.distributed.pipelining schedule over this rank's stages. Gradients are scaled by
     1/microbatches (scale_grads) so the loss matches the mean over the whole batch."""
     # Imported here, by pipelined runs only: torch.distributed.pipelining costs every process that imports
-    # it 0.8 s of CPU at start (and at each restart), a third of what a worker's imports cost beyond torch.
+    # it 0.6 s of CPU at start (and at each restart).
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 
