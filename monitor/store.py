@@ -316,6 +316,16 @@ def step_bounds(run_dir: str | Path) -> tuple[int, int] | None:
     return None if first is None else (first, last)
 
 
+def last_event(run_dir: str | Path, kinds: Iterable[str]) -> tuple[str, dict] | None:
+    """The kind and data of the newest event of one of `kinds`, or None: read without pandas, for the
+    launcher's last look at a run (importing pandas would cost every `keel train` half a second)."""
+    kinds = list(kinds)
+    sql = f"SELECT kind, data FROM events WHERE kind IN ({', '.join('?' * len(kinds))}) ORDER BY id DESC LIMIT 1"
+    with closing(_connect_read_only(run_dir)) as conn:
+        row = conn.execute(sql, kinds).fetchone()
+    return None if row is None else (row[0], json.loads(row[1]))
+
+
 # Bucket b of n over steps lo..hi holds the steps s with (s - lo) * n // (hi - lo + 1) == b.
 _RANK_BINS = """
 SELECT rank, MIN(step) AS first_step, MAX(step) AS last_step, AVG(step_time_s) AS step_time_s,

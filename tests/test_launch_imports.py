@@ -37,3 +37,17 @@ def test_a_worker_starts_without_pandas():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["False"], "importing keel.trainer.train imported pandas"
+
+
+def test_the_launcher_reads_the_run_s_ending_without_pandas(tmp_path):
+    """`keel train` itself reads one event at the end of every run to choose its exit code: with pandas
+    that was half a second on every run."""
+    code = textwrap.dedent(f"""
+        import sys
+        import keel.cli
+        code = keel.cli.main(["train", "--config", "tiny", "--steps", "1", "--monitor.wandb=false", "--run-dir", {str(tmp_path / "run")!r}])
+        print(code, "pandas" in sys.modules)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[-2:] == ["0", "False"], proc.stdout[-2000:]

@@ -21,6 +21,7 @@ from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_HANG, EXIT_INTERRU
 from keel.monitor.redact import REDACTED
 from keel.monitor.run_dir import CONFIG_FILE, DUMP_DIR, STORE_FILE, wandb_offline_runs
 from keel.monitor.run_lock import RunDirBusy, check_free
+from keel.monitor.store import last_event
 from keel.trainer.config import ConfigError, JobConfig, check_run_dir, load_config, validate
 from keel.trainer.data import open_tokens
 from keel.trainer.lifetime import end_with_parent
@@ -264,19 +265,15 @@ def nccl_resilience_env(run_dir: Path) -> dict[str, str]:
 
 def exit_code_of_run(run_dir: Path, torchrun_code: int) -> int:
     """torchrun reports 1 for any failure; the run store says which (see keel.monitor.exits)."""
-    from keel.monitor.store import read_events
-
     try:
-        events = read_events(run_dir)
+        last = last_event(run_dir, ["run_started", "run_finished", "run_stopped", "hang", "oom"])
     except (FileNotFoundError, sqlite3.Error):
         return torchrun_code
-    endings = events[events["kind"].isin(["run_started", "run_finished", "run_stopped", "hang", "oom"])]
-    last = endings.iloc[-1] if len(endings) else None
-    if last is not None and last["kind"] == "run_stopped":
-        return int(last["data"]["exit_code"])
+    if last is not None and last[0] == "run_stopped":
+        return int(last[1]["exit_code"])
     if torchrun_code == 0:
         return EXIT_OK
-    return {"hang": EXIT_HANG, "oom": EXIT_OOM}.get(None if last is None else last["kind"], EXIT_FAILED)
+    return {"hang": EXIT_HANG, "oom": EXIT_OOM}.get(None if last is None else last[0], EXIT_FAILED)
 
 
 def next_commands(run_dir: Path) -> list[str]:
