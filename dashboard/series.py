@@ -34,7 +34,9 @@ BUCKETS = 1000  # pixel columns of a chart: M4 keeps at most 4 points each
 def segments(every: pd.DataFrame, abandoned: pd.Series) -> pd.Series:
     """Each row's line on the charts: "effective", or "attempt N" for the rows a rollback or a restart
     threw away (`abandoned`, from keel.monitor.store.abandoned_mask), one line per attempt."""
-    return ("attempt " + every.attempt.astype(str)).where(abandoned, "effective")
+    # Labelled per attempt rather than per row: building a string per row took 0.6 s at a million rows.
+    labels = {attempt: f"attempt {attempt}" for attempt in every.attempt.unique()}
+    return every.attempt.map(labels).where(abandoned, "effective")
 
 
 def metric_series(rows: pd.DataFrame, metric: str, grid: tuple[float, float], buckets: int = BUCKETS) -> pd.DataFrame:
