@@ -10,29 +10,20 @@ The charts show the step range of the slider above them, every step of it when i
 from __future__ import annotations
 
 import sqlite3
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 import streamlit as st
 
 from keel.dashboard.charts import bar_chart, metric_chart, metric_grid, rank_heatmap
+from keel.dashboard.run_data import RunData, RunReader
 from keel.dashboard.runs_page import REFRESH_S, run_folders
-from keel.dashboard.series import MARKER_COLOURS, METRICS, ROUTINE_MARKERS, event_markers, metric_series, segments, straggler_marks
+from keel.dashboard.series import MARKER_COLOURS, METRICS, ROUTINE_MARKERS, event_markers, metric_series, straggler_marks
 from keel.monitor.checkpoints import checkpoint_table, verify
-from keel.monitor.goodput import Goodput, compute_goodput
+from keel.monitor.goodput import Goodput
 from keel.monitor.run_dir import CONFIG_FILE, MANIFEST
 from keel.monitor.runs import find_runs
-from keel.monitor.store import (
-    abandoned_mask,
-    read_attempt_starts,
-    read_events,
-    read_meta,
-    read_rank_bins,
-    read_steps,
-    step_bounds,
-    store_version,
-)
+from keel.monitor.store import read_meta, step_bounds, store_version
 
 # The small charts, three to a row, are 260 px wide: M4 on 260 columns keeps every pixel column's extremes,
 # and the browser's time to draw the page grows with the points sent (about 30 us each).
@@ -98,26 +89,19 @@ def _range_from_url() -> tuple[int, int] | None:
     return (int(lo), int(hi)) if lo.isdigit() and hi.isdigit() else None
 
 
-@dataclass(frozen=True)
-class RunData:
-    """What the Run page draws of one step range, as read from the store (never modified once read)."""
-
-    rows: pd.DataFrame  # every attempt's rows in the range, each with its line (series.segments)
-    events: pd.DataFrame
-    ranks: pd.DataFrame  # read_rank_bins over the range
-    goodput: Goodput  # of the whole run
-
-
 # Shared by every session and refresh until the store changes (store_version): a finished run, or a run
 # several people watch, is read once rather than by each of them every few seconds. A few entries only:
 # a million-step range is about 100 MB.
 @st.cache_resource(max_entries=6, ttl=600, show_spinner=False)
-def read_run(run_dir: str, steps: tuple[int, int], bounds: tuple[int, int], version: tuple[int, ...]) -> RunData:
-    # One read of the range; the effective trajectory is the rows no later attempt abandoned.
-    every, events = read_steps(run_dir, steps=steps), read_events(run_dir)
-    rows = every.assign(segment=segments(every, abandoned_mask(every, read_attempt_starts(run_dir))))
-    goodput = compute_goodput(every if steps == bounds else read_steps(run_dir), events)
-    return RunData(rows, events, read_rank_bins(run_dir, HEATMAP_BINS, steps), goodput)
+def read_run(run_dir: str, steps: tuple[int, int], version: tuple[int, ...]) -> RunData:
+    return run_reader(run_dir).read(steps)
+
+
+# What was read of each run, kept so that a live run's refresh reads only what its trainer appended since
+# (a million-step run read whole took 16 s). Not expired: the next read would read the whole run again.
+@st.cache_resource(max_entries=4, show_spinner=False)
+def run_reader(run_dir: str) -> RunReader:
+    return RunReader(run_dir, HEATMAP_BINS)
 
 
 @st.fragment(run_every=REFRESH_S)
@@ -128,7 +112,7 @@ def _live_run(run_dir: Path) -> None:
             st.info("No step recorded yet.")
             return
         steps = choose_step_range(*bounds)
-        data = read_run(str(run_dir), steps, bounds, version)
+        data = read_run(str(run_dir), steps, version)
     except (sqlite3.Error, FileNotFoundError) as e:
         st.warning(f"{run_dir}: cannot read its run store ({type(e).__name__}: {e}).")
         return

@@ -2,7 +2,8 @@
 
 The trainer writes it through `RunStore`, once per step on the hot path; the dashboard, drills, tests and
 `keel metrics` read it with `read_steps`, `read_rank_steps`, `read_events` and `read_meta`, also while
-a trainer is still writing. The database is in WAL mode, so readers never block the writer and every
+a trainer is still writing; a reader that follows a live run reads only what was committed since its last
+read with `read_appended`. The database is in WAL mode, so readers never block the writer and every
 committed step survives the writer being killed.
 
 Steps can repeat: a rollback or a restart runs the same step numbers again under a higher `attempt`.
@@ -21,6 +22,7 @@ import threading
 import time as _time
 from collections.abc import Iterable, Mapping
 from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -222,21 +224,28 @@ def _connect_read_only(run_dir: str | Path) -> sqlite3.Connection:
     return sqlite3.connect(f"{path.resolve().as_uri()}?{mode}", uri=True, timeout=_BUSY_TIMEOUT_S)
 
 
-def _query(run_dir: str | Path, sql: str, params: tuple | dict = ()) -> pd.DataFrame:
+def _frame(conn: sqlite3.Connection, sql: str, params: tuple | dict = ()) -> pd.DataFrame:
     # Plain sqlite3 rather than pd.read_sql_query, so that errors stay sqlite3.Error for callers.
     import pandas as pd
 
+    cursor = conn.execute(sql, params)
+    return pd.DataFrame(cursor.fetchall(), columns=[d[0] for d in cursor.description])
+
+
+def _query(run_dir: str | Path, sql: str, params: tuple | dict = ()) -> pd.DataFrame:
     with closing(_connect_read_only(run_dir)) as conn:
-        cursor = conn.execute(sql, params)
-        return pd.DataFrame(cursor.fetchall(), columns=[d[0] for d in cursor.description])
+        return _frame(conn, sql, params)
 
 
-def _read_table(run_dir: str | Path, sql: str, types: dict[str, type], key: tuple[str, ...], params: tuple = ()) -> pd.DataFrame:
-    df = _query(run_dir, sql, params)
+def _typed(df: pd.DataFrame, types: dict[str, type], key: tuple[str, ...]) -> pd.DataFrame:
     # Fixed dtypes, also for an empty table: key columns are never NULL, other integers may be (pandas Int64).
     # SQLite stores a NaN as NULL, so a non-finite float reads back as NaN either way.
     dtypes = {c: "int64" if c in key else "Int64" if t is int else "float64" for c, t in types.items()}
     return df.astype(dtypes)
+
+
+def _read_table(run_dir: str | Path, sql: str, types: dict[str, type], key: tuple[str, ...], params: tuple = ()) -> pd.DataFrame:
+    return _typed(_query(run_dir, sql, params), types, key)
 
 
 # A rollback or restart that runs step s again under a later attempt abandons every earlier attempt's
@@ -326,35 +335,108 @@ def last_event(run_dir: str | Path, kinds: Iterable[str]) -> tuple[str, dict] | 
     return None if row is None else (row[0], json.loads(row[1]))
 
 
-# Bucket b of n over steps lo..hi holds the steps s with (s - lo) * n // (hi - lo + 1) == b.
+# Bin b holds the steps s with (s - origin) / width == b (SQLite's integer division).
 _RANK_BINS = """
 SELECT rank, MIN(step) AS first_step, MAX(step) AS last_step, AVG(step_time_s) AS step_time_s,
        AVG(comm_time_s) AS comm_time_s, AVG(step_time_s - comm_time_s) AS busy_time_s,
        MAX(mem_peak_bytes) AS mem_peak_bytes, COUNT(*) AS rows
 FROM rank_steps WHERE step BETWEEN :lo AND :hi
-GROUP BY rank, (step - :lo) * :n / (:hi - :lo + 1)
+GROUP BY rank, (step - :origin) / :width
 ORDER BY rank, first_step
 """
 
 
-def read_rank_bins(run_dir: str | Path, bins: int, steps: tuple[int, int]) -> pd.DataFrame:
-    """Per-rank step metrics over `bins` equal ranges of the inclusive step range `steps` (a heatmap's
-    columns), summed up in SQLite so that a long run is never loaded row by row: per rank and range the
-    first and last step, the mean step, communication and busy (step minus communication) time, the
-    peak memory, and the number of rows (all attempts)."""
-    if bins < 1:
-        raise ValueError(f"bins={bins}: must be at least 1")
-    df = _query(run_dir, _RANK_BINS, {"lo": int(steps[0]), "hi": int(steps[1]), "n": bins})
+def read_rank_bins(run_dir: str | Path, steps: tuple[int, int], width: int, origin: int | None = None) -> pd.DataFrame:
+    """Per-rank step metrics over the inclusive step range `steps` in bins of `width` steps counted from
+    `origin` (by default the range's first step; never after it): a heatmap's columns, summed up in
+    SQLite so that a long run is never loaded row by row. Per rank and bin: the first and last step, the
+    mean step, communication and busy (step minus communication) time, the peak memory, and the number
+    of rows (all attempts). A bin's figures do not depend on the range beyond it, so a reader can read
+    again only the bins that new rows fall in (`origin` set to the first range's start)."""
+    origin = steps[0] if origin is None else origin
+    if width < 1 or origin > steps[0]:
+        raise ValueError(f"width={width}, origin={origin}: the width must be at least 1, the origin at most {steps[0]}")
+    df = _query(run_dir, _RANK_BINS, {"lo": int(steps[0]), "hi": int(steps[1]), "origin": int(origin), "width": int(width)})
     dtypes = {"rank": "int64", "first_step": "int64", "last_step": "int64", "rows": "int64", "mem_peak_bytes": "Int64"}
     return df.astype(dtypes | {c: "float64" for c in ("step_time_s", "comm_time_s", "busy_time_s")})
 
 
 def read_events(run_dir: str | Path) -> pd.DataFrame:
     """Events in the order they were written; the `data` column holds dicts."""
-    df = _query(run_dir, "SELECT * FROM events ORDER BY id")
+    return _typed_events(_query(run_dir, "SELECT * FROM events ORDER BY id"))
+
+
+def _typed_events(df: pd.DataFrame) -> pd.DataFrame:
     df = df.astype({"id": "int64", "time": "float64", "step": "Int64", "attempt": "Int64", "rank": "Int64"})
     df["data"] = df["data"].map(json.loads)
     return df
+
+
+@dataclass(frozen=True)
+class StoreMark:
+    """Where a reader of a store left off: the last rowid it saw in each table, and the store it read.
+    SQLite gives a new row the highest rowid yet and writers commit one at a time, so what was committed
+    since is exactly the rows past the mark; a row written again (INSERT OR REPLACE) is deleted and
+    inserted anew, so it is past the mark too."""
+
+    steps: int = 0
+    rank_steps: int = 0
+    events: int = 0
+    # The store read: its file, and (step, attempt, time) of its first step row. A store made anew in the
+    # folder may get the deleted one's inode, not its first step's time.
+    file: tuple[int, int] = (0, 0)
+    first_step: tuple | None = None
+
+
+@dataclass(frozen=True)
+class Appended:
+    """What `read_appended` found committed since a mark."""
+
+    fresh: bool  # read from the start (no mark, or not this store's): whatever was read before is void
+    steps: pd.DataFrame  # as read_steps; a step row written again comes again, to replace the one read before
+    events: pd.DataFrame  # as read_events
+    first_rank_step: int | None  # the lowest step of the rank rows written since the mark; None: none were
+    mark: StoreMark  # where this read left off
+
+
+_TABLES = ("steps", "rank_steps", "events")
+
+
+def read_appended(run_dir: str | Path, since: StoreMark | None = None) -> Appended:
+    """The rows committed to a store since `since` (from a previous read_appended), read in one
+    snapshot, so that a reader following a live run reads each row once rather than the whole run at
+    every refresh. Without a mark, or with one from another store, the whole store (fresh=True)."""
+    path = Path(run_dir) / STORE_FILE
+    file = _file_id(path)
+    with closing(_connect_read_only(run_dir)) as conn:
+        conn.execute("BEGIN")  # one snapshot for every table
+        ends = [conn.execute(f"SELECT COALESCE(MAX(rowid), 0) FROM {t}").fetchone()[0] for t in _TABLES]
+        mark = StoreMark(*ends, file=file, first_step=conn.execute(_FIRST_STEP).fetchone())
+        fresh = since is None or not _grown_from(since, mark)
+        since = StoreMark() if fresh else since
+        spans = dict(zip(_TABLES, zip((since.steps, since.rank_steps, since.events), ends)))
+        steps = _frame(conn, "SELECT * FROM steps WHERE rowid > ? AND rowid <= ? ORDER BY step, attempt", spans["steps"])
+        events = _frame(conn, "SELECT * FROM events WHERE id > ? AND id <= ? ORDER BY id", spans["events"])
+        # NOT INDEXED: by rowid, not by scanning the step index until a new row turns up.
+        sql = "SELECT MIN(step) FROM rank_steps NOT INDEXED WHERE rowid > ? AND rowid <= ?"
+        first_rank_step = conn.execute(sql, spans["rank_steps"]).fetchone()[0]
+    if _file_id(path) != file:  # a store made anew while this one was read: read that one
+        return read_appended(run_dir)
+    return Appended(fresh, _typed(steps, _STEP_TYPES, _STEP_KEY), _typed_events(events), first_rank_step, mark)
+
+
+_FIRST_STEP = "SELECT step, attempt, time FROM steps ORDER BY rowid LIMIT 1"
+
+
+def _grown_from(before: StoreMark, now: StoreMark) -> bool:
+    """Whether the store read now is the one read before, grown by appending only."""
+    same = before.file == now.file and before.first_step in (None, now.first_step)
+    return same and now.steps >= before.steps and now.rank_steps >= before.rank_steps and now.events >= before.events
+
+
+def _file_id(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_dev, stat.st_ino
 
 
 def read_meta(run_dir: str | Path) -> dict[str, Any]:

@@ -18,12 +18,13 @@ import pytest
 from conftest import keel
 from streamlit.testing.v1 import AppTest
 
+from keel.dashboard import run_data
 from keel.dashboard.actions import ACTIONS_ENV, ActionRefused, inject_fault, start_drill
 from keel.dashboard.launch import actions_state
 from keel.dashboard.run_page import read_run
 from keel.dashboard.runs_page import RUNS_ENV
 from keel.dashboard.series import MARKER_KINDS, METRICS
-from keel.monitor.store import RunStore, read_events, read_steps
+from keel.monitor.store import RunStore, read_appended, read_events, read_steps
 
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
 
@@ -336,9 +337,9 @@ def test_run_page_reads_a_store_again_when_it_changes_and_not_before(tmp_path, m
     read_run.clear()  # the cache is per process: count the reads of the next two refreshes
     with RunStore(run_dir) as store:
         store.write_step({"step": 4, "attempt": 0, "loss": 3.5, "time": 1.7e9 + 4})
-    reads = []
-    monkeypatch.setattr("keel.dashboard.run_page.read_events", lambda d: reads.append(d) or read_events(d))
+    reads = []  # the step rows each read of the store gave
+    monkeypatch.setattr(run_data, "read_appended", lambda d, since: reads.append(len((new := read_appended(d, since)).steps)) or new)
     app.run()
-    assert app.caption[0].value.startswith("Steps 1 to 4:") and len(reads) == 1
+    assert app.caption[0].value.startswith("Steps 1 to 4:") and reads == [1]  # only the step written since
     app.run()  # nothing written since: served from the cache
-    assert app.caption[0].value.startswith("Steps 1 to 4:") and len(reads) == 1
+    assert app.caption[0].value.startswith("Steps 1 to 4:") and reads == [1]
