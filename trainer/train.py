@@ -68,14 +68,14 @@ class Trainer:
         self.recorder = build_recorder(cfg, self.run_dir) if rank == 0 else None
         self.incidents = Incidents(self.recorder, cfg.run.run_id)
         self.attempt = _next_attempt(self.run_dir, rank, world) if self.resuming else 0
-        last_recorded = _last_recorded_time(self.run_dir) if rank == 0 and self.restart_count else None
+        last_step = _last_step_time(self.run_dir) if rank == 0 and self.restart_count else None
         if self.recorder is not None:
             self._record_run_start(peak_total, mfu_basis, oom_note)
         self.watchdog.on_hang = self.incidents.hang
         self._build_recovery()
         self.step, self.exit_code = 0, EXIT_OK
         if self.resuming:
-            self._resume(last_recorded)
+            self._resume(last_step)
         if self.recorder is not None and self.exit_code == EXIT_OK:
             # After the resume check: a config the checkpoint refused never replaces the run's own.
             write_resolved_config(cfg, self.run_dir / CONFIG_FILE)
@@ -178,7 +178,7 @@ class Trainer:
         stage_size = world // pp  # mesh order (pp, dp, tp): each pipeline stage is a block of ranks
         self.stragglers = StragglerTracker(cfg.stragglers, world, [range(k * stage_size, (k + 1) * stage_size) for k in range(pp)])
 
-    def _resume(self, last_recorded: float | None) -> None:
+    def _resume(self, last_step: float | None) -> None:
         """Loads the newest good checkpoint and the sampler and guard state saved with it; after a
         restart, also reports the stalls and the restart itself (rank 0). A checkpoint of another model
         or data ends the run instead (see `_refuse_resume`)."""
@@ -200,7 +200,7 @@ class Trainer:
         if self.restart_count and self.rank == 0:
             _report_stalls(self.run_dir, self.incidents)
         if self.restart_count:
-            downtime_s = self.process_start - last_recorded if last_recorded else 0.0
+            downtime_s = self.process_start - last_step if last_step else 0.0
             self.incidents.restart(self.attempt, self.restart_count, downtime_s, self.step)
 
     def _refuse_resume(self, reason: str) -> None:
@@ -431,13 +431,14 @@ def _next_attempt(run_dir: Path, rank: int, world: int) -> int:
     return value[0]
 
 
-def _last_recorded_time(run_dir: Path) -> float | None:
-    """When the run store last heard from the run (the moment a failed group went quiet)."""
+def _last_step_time(run_dir: Path) -> float | None:
+    """When the failed group recorded its last step: its down time runs from there to the new processes.
+    Not its last event: a watchdog records the hang when it detects it, after the stall, and goodput
+    counts the stall as the hang inside this down time (keel.monitor.goodput)."""
     if not (run_dir / STORE_FILE).exists():
         return None
-    times = [read_steps(run_dir)["time"].max(), read_events(run_dir)["time"].max()]
-    times = [t for t in times if t == t]
-    return max(times) if times else None
+    last = read_steps(run_dir)["time"].max()
+    return None if last != last else float(last)
 
 
 def _setup_logging(run_dir: Path, rank: int) -> None:
