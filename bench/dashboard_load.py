@@ -4,15 +4,16 @@
 
 Per store, measured from outside the code under test and repeated in ABBA order (100k, 1M, 1M, 100k):
 - page, new tab: from navigation in a fresh tab (nothing cached in the browser) to the Run page
-  rendered (its step caption shown and every chart drawn), once just after the store changed (as a
-  live run's does at every step: everything is read again) and once more unchanged (a finished run:
-  the dashboard's cache serves the reads);
+  rendered (its step caption shown and every chart drawn), once just after a live trainer appended
+  LIVE_STEPS steps (what it writes between two refreshes: the dashboard reads those) and once more
+  unchanged (a finished run: the dashboard's cache serves the reads);
 - page, from the sidebar: the same, the dashboard already open in the tab (on the run's Events page)
   and the user clicking "Run" in the sidebar, the way one moves between the dashboard's pages;
 - floor: a new tab's time for a page of as many one-point charts served by bare Streamlit (what
   Streamlit and Vega cost on this machine before Keel draws anything), measured in the same rounds;
 - refresh: the server's time for one run of the Run page script (what each live refresh costs), the
-  same two ways, timed around Streamlit's AppTest.
+  same two ways and a first read (nothing read yet: the whole store), timed around Streamlit's AppTest.
+Once per store, before the rounds, the first page of the server (the whole store read) is timed too.
 
     python bench/dashboard_load.py                 # 2 ABBA rounds; target: page under 2 s at 100k x 8
     python bench/dashboard_load.py --rounds 1 --sizes 100000
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +42,7 @@ from keel.monitor.run_dir import STORE_FILE
 from keel.monitor.store import RANK_COLUMNS, STEP_COLUMNS, RunStore
 
 RANKS = 8
+LIVE_STEPS = 17  # a trainer's steps between two refreshes (5 s) at 0.3 s a step
 TARGET_PAGE_S = {100_000: 2.0}  # the issue's target; 1M x 8 is reported
 CHUNK = 50_000
 
@@ -139,63 +142,79 @@ _DRAWN = """n => { const charts = [...document.querySelectorAll("[data-testid='s
                   return charts.length >= n && charts.every(c => c.querySelector('.marks')); }"""
 
 
-def _shown(page, steps: int) -> None:
-    page.get_by_text(re.compile(rf"^Steps 1 to {steps:,}:")).first.wait_for(timeout=120_000)
+def _shown(page, last: int) -> None:
+    page.get_by_text(re.compile(rf"^Steps 1 to {last:,}:")).first.wait_for(timeout=120_000)
     page.wait_for_function(_DRAWN, arg=RUN_PAGE_CHARTS, timeout=120_000, polling=50)
 
 
-def page_seconds(browser, url: str, steps: int) -> float:
-    """Navigation in a new tab to a Run page showing all `steps` steps with every chart drawn."""
+def page_seconds(browser, url: str, last: int) -> float:
+    """Navigation in a new tab to a Run page showing steps 1 to `last` with every chart drawn."""
     page = browser.new_page(viewport={"width": 1500, "height": 1200})
     start = time.perf_counter()
     page.goto(url)
-    _shown(page, steps)
+    _shown(page, last)
     elapsed = time.perf_counter() - start
     page.close()
     return elapsed
 
 
-def sidebar_seconds(browser, base: str, run: str, steps: int) -> float:
+def sidebar_seconds(browser, base: str, run: str, last: int) -> float:
     """From the run's Events page, open in the tab, to its Run page by the sidebar's "Run" link."""
     page = browser.new_page(viewport={"width": 1500, "height": 1200})
     page.goto(f"{base}/events?run={run}")
     page.wait_for_selector("[data-testid='stDataFrame']", timeout=120_000)
     start = time.perf_counter()
     page.get_by_role("link", name="Run", exact=True).click()
-    _shown(page, steps)
+    _shown(page, last)
     elapsed = time.perf_counter() - start
     page.close()
     return elapsed
 
 
-def refresh_seconds(folder: Path, run: str) -> tuple[float, float]:
+def refresh_seconds(folder: Path, run: str) -> tuple[float, float, float]:
     """One run of the Run page script on the server side (AppTest), after a first run warmed it up:
-    with the store changed since the last read (a live run: everything is read again) and unchanged
-    (a finished run: the reads come from the dashboard's cache)."""
+    with nothing read yet (the whole store is read), after a live trainer appended LIVE_STEPS steps
+    (those are read) and unchanged (a finished run: the reads come from the dashboard's cache)."""
     from streamlit.testing.v1 import AppTest
 
-    from keel.dashboard.run_page import read_run
+    from keel.dashboard.run_page import read_run, run_reader
 
     os.environ["KEEL_DASHBOARD_RUNS"] = str(folder)
     app = AppTest.from_string("from keel.dashboard.run_page import render_run\nrender_run()", default_timeout=300)
     app.query_params["run"] = run
     app.run()
     read_run.clear()
-    start = time.perf_counter()
-    app.run()
-    changed = time.perf_counter() - start
-    start = time.perf_counter()
-    app.run()
-    return changed, time.perf_counter() - start
+    run_reader.clear()
+    seconds = []
+    for change in (lambda: None, lambda: append_steps(folder / run), lambda: None):
+        change()
+        start = time.perf_counter()
+        app.run()
+        seconds.append(time.perf_counter() - start)
+    return seconds[0], seconds[1], seconds[2]
 
 
-def touch(store: Path) -> None:
-    """Marks the store changed, as a live trainer's commit does: the dashboard reads it all again."""
-    os.utime(store, ns=(time.time_ns(), time.time_ns()))
+def append_steps(run_dir: Path) -> int:
+    """LIVE_STEPS more steps of the last attempt on every rank, written as a live trainer writes them
+    (RunStore.write_step, a commit each); the store's last step after them."""
+    with closing(sqlite3.connect(run_dir / STORE_FILE)) as conn:
+        last, attempt = conn.execute("SELECT step, attempt FROM steps ORDER BY step DESC, attempt DESC LIMIT 1").fetchone()
+    rng = np.random.default_rng(last)
+    with RunStore(run_dir) as store:
+        for step in range(last + 1, last + 1 + LIVE_STEPS):
+            step_time = 0.25 + rng.gamma(2.0, 0.01)
+            row = {"step": step, "attempt": attempt, "time": 1.7e9 + step * 0.3, "loss": 2.0 + rng.normal(0, 0.05),
+                   "grad_norm": 1.0 + rng.gamma(2.0, 0.2), "lr": 3e-4, "tokens": 65536, "tokens_per_s": 65536 / step_time,
+                   "mfu": 0.41, "comm_share": rng.uniform(0.1, 0.3), "step_time_s": step_time, "data_time_s": rng.uniform(0.001, 0.01),
+                   "mem_peak_bytes": 40 * 2**30, "skipped": 0}  # fmt: skip
+            ranks = [{"rank": r, "step_time_s": step_time, "comm_time_s": rng.uniform(0.02, 0.08), "mem_peak_bytes": 40 * 2**30}
+                     for r in range(RANKS)]  # fmt: skip
+            store.write_step(row, ranks)
+    return last + LIVE_STEPS
 
 
-FIGURES = ("page, new tab, store changed", "page, new tab, unchanged", "page, sidebar, store changed", "page, sidebar, unchanged",
-           "floor: bare Streamlit, new tab", "refresh, store changed", "refresh, unchanged")  # fmt: skip
+FIGURES = ("page, new tab, steps appended", "page, new tab, unchanged", "page, sidebar, steps appended", "page, sidebar, unchanged",
+           "floor: bare Streamlit, new tab", "refresh, first read", "refresh, steps appended", "refresh, unchanged")  # fmt: skip
 
 
 def main() -> None:
@@ -214,21 +233,27 @@ def main() -> None:
                   f"({(folder / f'run-{steps}' / STORE_FILE).stat().st_size / 2**20:,.0f} MiB)", flush=True)  # fmt: skip
         server, floor = serve(folder, port=8765), serve_floor(folder, port=8766)
         seconds = {s: {f: [] for f in FIGURES} for s in opts.sizes}
+        base, last = "http://127.0.0.1:8765", {s: s for s in opts.sizes}
         try:
             with sync_playwright() as pw:
                 browser = pw.chromium.launch(
                     executable_path=shutil.which("chromium"), args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
                 )
+                for steps in opts.sizes:  # the server's first read of each store, the whole of it
+                    first = page_seconds(browser, f"{base}/run?run=run-{steps}", steps)
+                    print(f"  {steps:>9,} steps: page, new tab, the server's first read {first:.2f} s", flush=True)
                 order = opts.sizes + opts.sizes[::-1]  # ABBA
                 for _ in range(opts.rounds):
                     for steps in order:
-                        run, base = f"run-{steps}", "http://127.0.0.1:8765"
-                        touch(folder / run / STORE_FILE)
-                        tabs = [page_seconds(browser, f"{base}/run?run={run}", steps) for _ in range(2)]
-                        touch(folder / run / STORE_FILE)
-                        sidebar = [sidebar_seconds(browser, base, run, steps) for _ in range(2)]
+                        run = f"run-{steps}"
+                        last[steps] = append_steps(folder / run)
+                        tabs = [page_seconds(browser, f"{base}/run?run={run}", last[steps]) for _ in range(2)]
+                        last[steps] = append_steps(folder / run)
+                        sidebar = [sidebar_seconds(browser, base, run, last[steps]) for _ in range(2)]
                         bare = page_seconds(browser, "http://127.0.0.1:8766/", 1)
-                        got = [*tabs, *sidebar, bare, *refresh_seconds(folder, run)]
+                        refresh = refresh_seconds(folder, run)
+                        last[steps] += LIVE_STEPS  # refresh_seconds appended once
+                        got = [*tabs, *sidebar, bare, *refresh]
                         for figure, value in zip(FIGURES, got):
                             seconds[steps][figure].append(value)
                         print(f"  {steps:>9,} steps: " + ", ".join(f"{f} {v:.2f} s" for f, v in zip(FIGURES, got)), flush=True)
