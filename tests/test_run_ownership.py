@@ -22,16 +22,32 @@ from keel.monitor.store import read_steps
 
 
 def _processes_writing(run_dir: Path) -> list[int]:
-    """Pids of live processes whose command line names the run directory (the launcher and its workers)."""
+    """Pids of live processes that name the run directory on their command line (the launcher, torchrun)
+    or hold a file in it open (the workers: their logs, the store, rank 0 the lock)."""
     found = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and str(run_dir) in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                if (proc / "stat").read_text().split(") ")[1][0] != "Z":  # a zombie has ended
-                    found.append(int(proc.name))
+            if not proc.name.isdigit() or (proc / "stat").read_text().split(") ")[1][0] == "Z":  # a zombie has ended
+                continue
+            if str(run_dir) in (proc / "cmdline").read_bytes().decode(errors="replace") or _holds_a_file_in(proc, run_dir):
+                found.append(int(proc.name))
         except OSError:
             continue
     return found
+
+
+def _holds_a_file_in(proc: Path, run_dir: Path) -> bool:
+    for fd in (proc / "fd").iterdir():
+        try:
+            if os.readlink(fd).startswith(f"{run_dir}/"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def _wait(condition, timeout: float) -> bool:
@@ -57,8 +73,10 @@ def test_a_killed_launcher_ends_its_workers_and_a_resume_beside_a_live_run_is_re
         [line] = second.stderr.strip().splitlines()
         holder = int(line.split("in use by pid ")[1].split()[0])
         assert f"on host {os.uname().nodename}" in line and holder in _processes_writing(run_dir), line
-        # The launcher and torchrun die at once (SIGKILL to the group); the workers follow within seconds.
-        os.killpg(job.pid, signal.SIGKILL)
+        # The launcher and torchrun die at once (SIGKILL, neither can stop the workers; a SIGKILL to the
+        # group would reach the workers themselves); the workers follow within seconds.
+        for pid in [*_children(job.pid), job.pid]:
+            os.kill(pid, signal.SIGKILL)
         job.wait(timeout=30)
         assert _wait(lambda: not _processes_writing(run_dir), 15), f"workers still running: {_processes_writing(run_dir)}"
     finally:

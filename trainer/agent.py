@@ -1,54 +1,42 @@
 """The process `keel train` starts on each node: PyTorch's own torchrun agent (torch.distributed.run),
-with Keel's workers forked from it rather than started as new interpreters.
+with Keel's workers forked from a process that has already imported torch and the trainer.
 
 A new interpreter imports torch and Keel's trainer again in every worker, 4.3 s of CPU each: on two
-cores, 17 s before a pp2 dp2 tp2 job's first step, and again at every restart. The agent imports them
-once and forks each worker from itself (torchrun's function entrypoint, start method "fork"), so a
-worker starts in milliseconds with the modules already loaded. The agent has started no accelerator
-context and trained nothing when it forks. Any other worker module is started as torchrun starts it.
+cores, 17 s before a pp2 dp2 tp2 job's first step, and again at every restart. Here the workers are
+torchrun's function entrypoint `keel.trainer.forked_worker.forked_main`, started with multiprocessing's
+"forkserver" method, the server preloading the trainer: it imports them once, and each worker is a fork
+of it, in milliseconds. Not a fork of the agent itself: the agent has threads (its rendezvous store),
+and a fork copies whatever lock another thread held at that moment (a worker once hung forever in
+getaddrinfo, on glibc's resolver lock). The server is a fresh interpreter with no other thread, and
+it ends with the agent (keel.trainer.fork_server). Any other worker module is started as torchrun starts it.
 
     python -m keel.trainer.agent TORCHRUN_ARGS...   # exactly `torchrun TORCHRUN_ARGS...`
 """
 
 from __future__ import annotations
 
-import logging
+import multiprocessing
 import os
-import signal
 import sys
 import traceback
 
 import torch.distributed.run as torchrun
 
+from keel.trainer.forked_worker import forked_main
+
 WORKER_MODULE = "keel.trainer.train"
 
 
-def forked_worker(*argv: str) -> None:
-    """One worker, in a process forked from the agent: `keel.trainer.train`'s main."""
-    # The agent's handlers turn these signals into exceptions for its own shutdown; a worker ends on them.
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    from keel.trainer import train
-
-    sys.argv = [train.__file__, *argv]  # what the worker's own interpreter would have had (W&B records it)
-    code = train.main(list(argv))
-    logging.shutdown()
-    if code:
-        sys.exit(code)  # the worker's exit status, as torchrun sees a failed process
-
-
 def forking(config_from_args):
-    """torchrun's config_from_args, with Keel's worker module turned into `forked_worker`, forked."""
+    """torchrun's config_from_args, with Keel's worker module turned into a function forked by the server."""
 
     def config_with_forked_workers(args):
         config, cmd, cmd_args = config_from_args(args)
         if not (args.module and args.training_script == WORKER_MODULE):
             return config, cmd, cmd_args
-        import keel.trainer.train  # noqa: F401  (imported here, once, before the workers are forked)
-
-        config.start_method = "fork"
-        return config, forked_worker, list(args.training_script_args)
+        multiprocessing.get_context("forkserver").set_forkserver_preload(["keel.trainer.fork_server"])
+        config.start_method = "forkserver"
+        return config, forked_main, list(args.training_script_args)
 
     return config_with_forked_workers
 
