@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import REPO, keel, plain_torchrun
+from conftest import NO_WANDB, REPO, keel, plain_torchrun
+from servers import wait_until
 
 from keel.monitor.checkpoints import verify
-from keel.monitor.run_dir import list_checkpoints, wandb_offline_runs
+from keel.monitor.exits import EXIT_INTERRUPTED
+from keel.monitor.run_dir import STORE_FILE, list_checkpoints, wandb_offline_runs
 from keel.monitor.store import read_events, read_steps
 from keel.trainer.config import load_config
 from keel.trainer.launch import next_commands, parse_train_args, torchrun_command
@@ -54,6 +57,36 @@ def test_train_module_under_plain_torchrun(tmp_path):
     assert len(runs) == 1
     assert list(read_steps(runs[0]).step) == [1, 2, 3]
     assert sorted(p.name for p in (runs[0] / "logs").iterdir()) == ["rank-0.log", "rank-1.log"]
+
+
+def test_ctrl_c_stops_a_run_started_in_the_background(tmp_path):
+    """A script's background job ignores SIGINT from birth; Ctrl-C (SIGINT to the process group) must still
+    stop `keel train` with 130, as torchrun stops its workers whatever it inherited, and leave no process."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "keel.cli", "train", "--config=tiny", "--steps=100000", f"--run-dir={run_dir}", NO_WANDB]
+    ignore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731 (what `cmd &` in a script does)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    log = tmp_path / "train.log"
+    with subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                          preexec_fn=ignore_sigint) as proc:  # fmt: skip
+        try:
+            wait_until(lambda: (run_dir / STORE_FILE).exists() and len(read_steps(run_dir)), 120, "the first step")
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == EXIT_INTERRUPTED, log.read_text()[-3000:]
+    wait_until(lambda: not _group_alive(proc.pid), 15, "torchrun and its workers to end")
+    assert len(read_steps(run_dir)) >= 1  # the store is readable after it
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_multi_node_flags_pass_through_to_torchrun():

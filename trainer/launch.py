@@ -11,6 +11,7 @@ import argparse
 import os
 import secrets
 import shlex
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -233,6 +234,9 @@ def main(argv: list[str]) -> int:
         f"keel train: {cfg.world_size} processes (pp{cfg.parallel.pp} dp{cfg.parallel.dp} tp{cfg.parallel.tp}), run dir {cfg.run.run_dir}",
         flush=True,
     )
+    # Ctrl-C stops the run whatever this process inherited: a job started in the background by a script
+    # ignores SIGINT, yet torchrun handles it anyway and stops the workers, so this process must too.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         # torchrun ends with this process (and its workers with torchrun): nothing trains on unwatched.
         code = subprocess.call(cmd, env=worker_env(cfg, opts, run_dir), preexec_fn=end_with_parent)
