@@ -16,6 +16,7 @@ commands:
   preflight      check ranks, links, checkpoint disk, memory and an overfit before a long job (keel preflight --help)
   dashboard      watch runs live in the browser (keel dashboard [RUNS_DIR ...] [--host] [--port] [--read-only])
   alert-rules    write the Prometheus alerting rules with your windows and thresholds (keel alert-rules --help)
+  simulate       what one rank of a large layout holds, built on meta with a fake process group (keel simulate --help)
   prepare-data   make a token file from text files, as bytes or with a tokenizer (keel prepare-data --help)
 """
 
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         from keel.dashboard.launch import main as run
     elif command == "alert-rules":
         from keel.monitor.alert_rules import main as run
+    elif command == "simulate":
+        from keel.trainer.simulate import main as run
     elif command == "prepare-data":
         from keel.trainer.prepare_data import main as run
     else:

@@ -15,7 +15,7 @@ CASES = {
     "unknown section": (["--optimizer.lr=1e-3"], ["optimizer", "did you mean 'optim'"]),
     "wrong type": (["--training.steps=ten"], ["training.steps", "expected int"]),
     "unknown option": (["--stepz", "3"], ["--stepz", "--section.key=value"]),
-    "layers do not split over pp": (["--pp", "3"], ["model.n_layers=4", "pp*pp_virtual_stages", "choose"]),
+    "fewer layers than stages": (["--pp", "5", "--training.microbatches=5"], ["model.n_layers=4", "pp*pp_virtual_stages", "4 or less"]),
     "layers do not split over pp*v": (
         ["--pp", "2", "--parallel.pp_schedule=Interleaved1F1B", "--parallel.pp_virtual_stages=4", "--training.microbatches=8"],
         ["model.n_layers=4", "8 pipeline stages"],

@@ -435,10 +435,10 @@ def _validate_model_split(cfg: JobConfig) -> None:
             f"model.n_heads={args.n_heads} is not divisible by model.n_kv_heads={args.n_kv_heads}; "
             f"choose n_kv_heads from {_divisors(args.n_heads)}"
         )
-    if args.n_layers % par.n_stages:
+    if args.n_layers < par.n_stages:  # an uneven split is fine (model_args.stage_layers), an empty stage is not
         raise ConfigError(
-            f"model.n_layers={args.n_layers} does not split over pp*pp_virtual_stages={par.pp}*{par.pp_virtual_stages}={par.n_stages} "
-            f"pipeline stages; choose pp*pp_virtual_stages from {_divisors(args.n_layers)}"
+            f"model.n_layers={args.n_layers} is fewer than the pp*pp_virtual_stages={par.pp}*{par.pp_virtual_stages}={par.n_stages} "
+            f"pipeline stages; set pp*pp_virtual_stages to {args.n_layers} or less"
         )
     # The vocabulary needs no check: the embedding and the head are padded to split over any tp.
     for name in ("n_heads", "n_kv_heads", "dim", "ffn_dim"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -148,18 +149,33 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Each parameter draws from its own generator, seeded by (seed, its name): the values do not
-        depend on which other parameters this process holds, so every parallel layout starts from the
-        same model as a single process."""
+        """Every parameter set to its initial value (initial_values), for a module that holds whole tensors."""
+        for name, value in self.initial_values(seed):
+            self.get_parameter(name).copy_(value)
+
+    def initial_values(self, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each parameter's initial value, whole (the global shape, one at a time), drawn from a generator of
+        its own seeded by (seed, its name): the values do not depend on which other parameters this process
+        holds or how they are sharded, so every parallel layout starts from the same model as a single
+        process, and a sharded parameter takes its slice of the whole (keel.trainer.parallel)."""
         out_std = 0.02 / math.sqrt(2 * self.args.n_layers)  # GPT-2: residual projections scaled by depth
         for name, p in self.named_parameters():  # a tied head is named once, as tok_embeddings.weight
+            value = torch.empty(p.shape, dtype=p.dtype, device=p.device)
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                yield name, value.fill_(1.0)
                 continue
             g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             std = out_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            drawn = value
             if name in ("tok_embeddings.weight", "output.weight"):
                 # The real rows draw exactly what an unpadded matrix draws; the padding rows are zero.
-                p[self.args.vocab_size :].zero_()
-                p = p[: self.args.vocab_size]
-            p.normal_(0.0, std, generator=g)
+                value[self.args.vocab_size :].zero_()
+                drawn = value[: self.args.vocab_size]
+            drawn.normal_(0.0, std, generator=g)
+            yield name, value
+
+    def init_buffers(self) -> None:
+        """The rotary tables, computed again where the model was built on the meta device (they are not
+        parameters, and not saved)."""
+        cos, sin = rotary_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+        self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)

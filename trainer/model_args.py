@@ -100,3 +100,16 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     total, embedding = count_params(args)
     head = args.vocab_size * args.dim if args.tie_embeddings else 0  # untied, it is already in total
     return 6 * (total - embedding + head) + 12 * args.n_layers * args.dim * seq_len
+
+
+def stage_layers(n_layers: int, n_stages: int, stage: int) -> range:
+    """The layers of pipeline stage `stage`: as even a split as there is. Where it cannot be even, the stages at
+    the ends, which also hold the embedding (first) and the head and the loss (last), take one layer fewer,
+    first and last, then second and second-to-last, and so on: Llama 3 405B's 126 layers trained on 16 stages
+    with one fewer on the first and the last ("The Llama 3 Herd of Models", 2024, section 3.3.2)."""
+    per_stage = -(-n_layers // n_stages)
+    ends = [i // 2 if i % 2 == 0 else n_stages - 1 - i // 2 for i in range(n_stages)]  # 0, n-1, 1, n-2, ...
+    shorter = set(ends[: per_stage * n_stages - n_layers])
+    sizes = [per_stage - (s in shorter) for s in range(n_stages)]
+    first = sum(sizes[:stage])
+    return range(first, first + sizes[stage])

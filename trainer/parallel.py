@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from keel.trainer.config import DataParallelMode, JobConfig
 from keel.trainer.model import Transformer
-from keel.trainer.model_args import ModelArgs, padded_vocab_size
+from keel.trainer.model_args import ModelArgs, padded_vocab_size, stage_layers
 
 # The train loop's logger: the stages built belong to its start-up story in the rank logs.
 log = logging.getLogger("keel.train")
@@ -60,15 +60,54 @@ def stage_ids(cfg: JobConfig, pp_rank: int) -> list[int]:
     return [pp_rank + k * cfg.parallel.pp for k in range(cfg.parallel.pp_virtual_stages)]
 
 
-def build_stage_model(args: ModelArgs, cfg: JobConfig, stage: int, device: torch.device) -> Transformer:
+def build_stage_model(args: ModelArgs, cfg: JobConfig, stage: int) -> Transformer:
+    """A pipeline stage on the meta device: shapes only, no memory. materialize() gives it storage once it
+    is sharded, so no rank ever holds the whole stage (a 70B stage would not fit)."""
     n_stages = cfg.parallel.n_stages
-    per_stage = args.n_layers // n_stages
-    layer_ids = range(stage * per_stage, (stage + 1) * per_stage)
+    layer_ids = stage_layers(args.n_layers, n_stages, stage)
     padded_vocab = padded_vocab_size(args.vocab_size, cfg.parallel.tp)
-    with torch.device(device):
-        model = Transformer(args, layer_ids, first=stage == 0, last=stage == n_stages - 1, padded_vocab=padded_vocab)
-    model.init_weights(cfg.training.seed)
-    return model
+    with torch.device("meta"):
+        return Transformer(args, layer_ids, first=stage == 0, last=stage == n_stages - 1, padded_vocab=padded_vocab)
+
+
+@torch.no_grad()
+def materialize(model: Transformer, device: torch.device, seed: int) -> None:
+    """Storage for this rank's shards only, then their initial values: each parameter's whole initial value
+    (Transformer.initial_values, seeded by its name) is made one at a time and this rank keeps its slice, so
+    every layout starts from the single process's weights and a rank's peak is its shards plus one whole
+    parameter. DTensor's own random ops would avoid even that parameter, but their values depend on the
+    layout (an offset-based generator per shard), and the parity tests compare layouts to one process."""
+    model.to_empty(device=device)
+    if model.args.tie_embeddings:
+        model.tie_head()  # to_empty gives a plain tensor a new Parameter per module, which unties them
+    model.init_buffers()
+    for name, value in model.initial_values(seed):
+        p = model.get_parameter(name)
+        if isinstance(p, DTensor):  # each rank slices the same whole value: no communication
+            local = _local_slice(value, p)
+            if local.shape != p.to_local().shape:
+                raise RuntimeError(f"{name}: slice {tuple(local.shape)} for a shard of {tuple(p.to_local().shape)} ({p.placements})")
+            p.to_local().copy_(local)
+        else:
+            p.copy_(value)
+        del value
+
+
+def _local_slice(value: torch.Tensor, p: DTensor) -> torch.Tensor:
+    """This rank's part of a parameter's whole value, as a view: the mesh's dimensions split it from the
+    innermost (tp) out, because FSDP2 shards what tensor parallelism left on the rank (its _StridedShard
+    placement records that order). Each split is torch.chunk's, as FSDP2's: the last ranks of an uneven
+    dimension get less, or nothing. (distribute_tensor with src_data_rank=None gives the same values, but
+    made a full copy and more of a large matrix on the way: 1.1 GiB above it for a 500 MiB embedding.)"""
+    coordinate = p.device_mesh.get_coordinate()
+    for mesh_dim in reversed(range(p.device_mesh.ndim)):
+        placement = p.placements[mesh_dim]
+        if placement.is_replicate():
+            continue
+        dim, parts, index = placement.dim, p.device_mesh.size(mesh_dim), coordinate[mesh_dim]
+        pieces = torch.chunk(value, parts, dim)
+        value = pieces[index] if index < len(pieces) else value.narrow(dim, 0, 0)
+    return value
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
@@ -143,13 +182,14 @@ def build_model_parts(cfg: JobConfig, args: ModelArgs, layout: Layout, device: t
     """The model chunks this process holds (one, or v under interleaving), sharded and ready."""
     parts = []
     for stage in stage_ids(cfg, layout.pp_rank):
-        model = build_stage_model(args, cfg, stage, device)
+        model = build_stage_model(args, cfg, stage)
         padding = sum(p.numel() for p in model.parameters()) - model.real_parameter_count()
         log.info("pipeline stage %d built: %d parameters (+%d of vocabulary padding)", stage, model.real_parameter_count(), padding)
         if layout.tp > 1:
             apply_tensor_parallel(model, layout.mesh["tp"])
         if uses_fsdp(cfg):
             apply_fsdp(model, layout.mesh["dp"], cfg.parallel.dp_mode, bf16)
+        materialize(model, device, cfg.training.seed)
         parts.append(model)
     return parts
 
