@@ -158,21 +158,24 @@ class Transformer(nn.Module):
         its own seeded by (seed, its name): the values do not depend on which other parameters this process
         holds or how they are sharded, so every parallel layout starts from the same model as a single
         process, and a sharded parameter takes its slice of the whole (keel.trainer.parallel)."""
-        out_std = 0.02 / math.sqrt(2 * self.args.n_layers)  # GPT-2: residual projections scaled by depth
         for name, p in self.named_parameters():  # a tied head is named once, as tok_embeddings.weight
             value = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-            if name.endswith("norm.weight"):
-                yield name, value.fill_(1.0)
-                continue
-            g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            std = out_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
-            drawn = value
-            if name in ("tok_embeddings.weight", "output.weight"):
-                # The real rows draw exactly what an unpadded matrix draws; the padding rows are zero.
-                value[self.args.vocab_size :].zero_()
-                drawn = value[: self.args.vocab_size]
-            drawn.normal_(0.0, std, generator=g)
+            self._draw(name, value, seed)
             yield name, value
+            del value  # before the next one is made: one whole parameter at a time
+
+    def _draw(self, name: str, value: torch.Tensor, seed: int) -> None:
+        if name.endswith("norm.weight"):
+            value.fill_(1.0)
+            return
+        g = torch.Generator(device=value.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        out_std = 0.02 / math.sqrt(2 * self.args.n_layers)  # GPT-2: residual projections scaled by depth
+        std = out_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+        if name in ("tok_embeddings.weight", "output.weight"):
+            # The real rows draw exactly what an unpadded matrix draws; the padding rows are zero.
+            value[self.args.vocab_size :].zero_()
+            value = value[: self.args.vocab_size]
+        value.normal_(0.0, std, generator=g)
 
     def init_buffers(self) -> None:
         """The rotary tables, computed again where the model was built on the meta device (they are not

@@ -90,15 +90,15 @@ def materialize(model: Transformer, device: torch.device, seed: int) -> None:
             p.to_local().copy_(local)
         else:
             p.copy_(value)
-        del value
+        del value  # before the next one is made
 
 
 def _local_slice(value: torch.Tensor, p: DTensor) -> torch.Tensor:
     """This rank's part of a parameter's whole value, as a view: the mesh's dimensions split it from the
     innermost (tp) out, because FSDP2 shards what tensor parallelism left on the rank (its _StridedShard
     placement records that order). Each split is torch.chunk's, as FSDP2's: the last ranks of an uneven
-    dimension get less, or nothing. (distribute_tensor with src_data_rank=None gives the same values, but
-    made a full copy and more of a large matrix on the way: 1.1 GiB above it for a 500 MiB embedding.)"""
+    dimension get less, or nothing. (distribute_tensor with src_data_rank=None gives the same values, but on
+    the way it copied more than the whole matrix: 0.6 GiB more, for a 0.49 GiB embedding at dp4 tp2.)"""
     coordinate = p.device_mesh.get_coordinate()
     for mesh_dim in reversed(range(p.device_mesh.ndim)):
         placement = p.placements[mesh_dim]
