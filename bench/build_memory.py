@@ -24,6 +24,7 @@ from dataclasses import replace
 
 from keel.trainer.model_args import MODEL_PRESETS, count_params, padded_vocab_size
 
+ALLOWANCE = 64 * 2**20  # what else the build may hold: allocator slack, the runtime's own growth (tests/test_scale.py allows the same)
 LAYOUTS = {"one process": (1, 1), "dp2": (2, 1), "tp2": (1, 2), "dp4 tp2": (4, 2), "dp8": (8, 1)}  # (dp, tp)
 
 # Runs in a process of its own: the build of rank 0 of a layout, its peak and its shards, as JSON.
@@ -72,14 +73,15 @@ def main() -> None:
             print(f"  {name:>12}: peak {got['peak'] / 2**30:.2f} GiB, shards {got['shards'] / 2**30:.2f} GiB", flush=True)
     gib = 2**30
     print(f"\n{opts.preset} shape, {opts.layers} layers, rank 0 of each layout (GiB; peak: median and range)")
-    print(f"{'layout':>12} | {'whole stage':>11} | {'shards':>6} | {'peak':>18} | target: shards + largest parameter")
+    print(f"{'layout':>12} | {'whole stage':>11} | {'shards':>6} | {'peak':>18} | target: shards + largest parameter + 64 MiB")
     for name, (_, tp) in LAYOUTS.items():
         vocab = padded_vocab_size(args.vocab_size, tp)
         whole = 4 * count_params(replace(args, n_layers=opts.layers), vocab)[0]
-        target = shards[name] + 4 * vocab * args.dim  # the embedding (and the head), made whole one at a time
+        # The embedding (and the head), made whole one at a time, and 64 MiB for the allocator and the runtime.
+        target = shards[name] + 4 * vocab * args.dim + ALLOWANCE
         xs = peaks[name]
         spread = f"{statistics.median(xs) / gib:.2f} ({min(xs) / gib:.2f}-{max(xs) / gib:.2f})"
-        verdict = "holds" if statistics.median(xs) <= target * 1.05 else "MISSED"
+        verdict = "holds" if statistics.median(xs) <= target else "MISSED"
         print(f"{name:>12} | {whole / gib:>11.2f} | {shards[name] / gib:>6.2f} | {spread:>18} | <= {target / gib:.2f}: {verdict}")
 
 
