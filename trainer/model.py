@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -149,22 +148,16 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Every parameter set to its initial value (initial_values), for a module that holds whole tensors."""
-        for name, value in self.initial_values(seed):
-            self.get_parameter(name).copy_(value)
-
-    def initial_values(self, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each parameter's initial value, whole (the global shape, one at a time), drawn from a generator of
-        its own seeded by (seed, its name): the values do not depend on which other parameters this process
-        holds or how they are sharded, so every parallel layout starts from the same model as a single
-        process, and a sharded parameter takes its slice of the whole (keel.trainer.parallel)."""
+        """Every parameter drawn in place (draw_initial), for a module that holds whole tensors."""
         for name, p in self.named_parameters():  # a tied head is named once, as tok_embeddings.weight
-            value = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-            self._draw(name, value, seed)
-            yield name, value
-            del value  # before the next one is made: one whole parameter at a time
+            self.draw_initial(name, p, seed)
 
-    def _draw(self, name: str, value: torch.Tensor, seed: int) -> None:
+    @torch.no_grad()
+    def draw_initial(self, name: str, value: torch.Tensor, seed: int) -> None:
+        """Writes parameter `name`'s whole initial value into `value` (its global shape), drawn from a generator
+        of its own seeded by (seed, its name): the values do not depend on which other parameters this process
+        holds or how they are sharded, so every parallel layout starts from the same model as a single process,
+        and a sharded parameter takes its slice of the whole (keel.trainer.parallel.materialize)."""
         if name.endswith("norm.weight"):
             value.fill_(1.0)
             return

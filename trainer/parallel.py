@@ -72,25 +72,27 @@ def build_stage_model(args: ModelArgs, cfg: JobConfig, stage: int) -> Transforme
 
 @torch.no_grad()
 def materialize(model: Transformer, device: torch.device, seed: int) -> None:
-    """Storage for this rank's shards only, then their initial values: each parameter's whole initial value
-    (Transformer.initial_values, seeded by its name) is made one at a time and this rank keeps its slice, so
-    every layout starts from the single process's weights and a rank's peak is its shards plus one whole
-    parameter. DTensor's own random ops would avoid even that parameter, but their values depend on the
-    layout (an offset-based generator per shard), and the parity tests compare layouts to one process."""
+    """Storage for this rank's shards only, then their initial values. A whole parameter is drawn in place
+    (Transformer.draw_initial, seeded by its name); a sharded one is drawn whole into a buffer, one parameter
+    at a time, and this rank keeps its slice. So every layout starts from the single process's weights and a
+    rank's peak is its shards plus one whole parameter. DTensor's own random ops would avoid even that
+    parameter, but their values depend on the layout (an offset-based generator per shard), and the parity
+    tests compare layouts to one process."""
     model.to_empty(device=device)
     if model.args.tie_embeddings:
         model.tie_head()  # to_empty gives a plain tensor a new Parameter per module, which unties them
     model.init_buffers()
-    for name, value in model.initial_values(seed):
-        p = model.get_parameter(name)
-        if isinstance(p, DTensor):  # each rank slices the same whole value: no communication
-            local = _local_slice(value, p)
-            if local.shape != p.to_local().shape:
-                raise RuntimeError(f"{name}: slice {tuple(local.shape)} for a shard of {tuple(p.to_local().shape)} ({p.placements})")
-            p.to_local().copy_(local)
-        else:
-            p.copy_(value)
-        del value  # before the next one is made
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            model.draw_initial(name, p, seed)
+            continue
+        whole = torch.empty(p.shape, dtype=p.dtype, device=device)
+        model.draw_initial(name, whole, seed)
+        local = _local_slice(whole, p)  # each rank slices the same whole value: no communication
+        if local.shape != p.to_local().shape:
+            raise RuntimeError(f"{name}: slice {tuple(local.shape)} for a shard of {tuple(p.to_local().shape)} ({p.placements})")
+        p.to_local().copy_(local)
+        del whole, local  # before the next one is made
 
 
 def _local_slice(value: torch.Tensor, p: DTensor) -> torch.Tensor:
