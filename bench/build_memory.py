@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from keel.trainer.model_args import MODEL_PRESETS, count_params, padded_vocab_size
 
-ALLOWANCE = 64 * 2**20  # what else the build may hold: allocator slack, the runtime's own growth (tests/test_scale.py allows the same)
+ALLOWANCE = 64 * 2**20  # what else the build may hold: allocator slack, the runtime's own growth (tests/test_scale.py uses it too)
 LAYOUTS = {"one process": (1, 1), "dp2": (2, 1), "tp2": (1, 2), "dp4 tp2": (4, 2), "dp8": (8, 1)}  # (dp, tp)
 
 # Runs in a process of its own: the build of rank 0 of a layout, its peak and its shards, as JSON.

@@ -181,7 +181,8 @@ def mixed_precision(cfg: JobConfig, device: torch.device) -> tuple[bool, Abstrac
 
 
 def build_model_parts(cfg: JobConfig, args: ModelArgs, layout: Layout, device: torch.device, bf16: bool) -> list[Transformer]:
-    """The model chunks this process holds (one, or v under interleaving), sharded and ready."""
+    """The model chunks this process holds (one, or v under interleaving), sharded and ready. On the meta device
+    they stay shapes only (keel.trainer.simulate reads what a rank would hold)."""
     parts = []
     for stage in stage_ids(cfg, layout.pp_rank):
         model = build_stage_model(args, cfg, stage)
@@ -191,7 +192,8 @@ def build_model_parts(cfg: JobConfig, args: ModelArgs, layout: Layout, device: t
             apply_tensor_parallel(model, layout.mesh["tp"])
         if uses_fsdp(cfg):
             apply_fsdp(model, layout.mesh["dp"], cfg.parallel.dp_mode, bf16)
-        materialize(model, device, cfg.training.seed)
+        if device.type != "meta":
+            materialize(model, device, cfg.training.seed)
         parts.append(model)
     return parts
 

@@ -7,8 +7,9 @@ of the same shapes are attached and one real AdamW step (keel.trainer.optim) mak
 state, so every figure is read off the tensors that training would allocate, not from a formula: the
 ground truth a planner's estimate is checked against.
 
-    keel simulate --config 70b --dp 64 --tp 8            # the first and the last rank
-    keel simulate --config 405b --pp 8 --dp 256 --tp 8 --training.microbatches=8 --rank 0 --rank 9000
+    keel simulate --model.preset=70b --pp 1 --dp 64 --tp 8 --training.global_batch_size=1024    # first and last rank
+    keel simulate --model.preset=405b --pp 8 --dp 256 --tp 8 --training.microbatches=8 \
+        --training.global_batch_size=2048 --rank 0 --rank 9000 --rank -1
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
@@ -56,10 +56,8 @@ def simulate_rank(cfg: JobConfig, rank: int) -> RankMemory:
         raise ValueError(f"rank={rank}: the layout has ranks 0 to {cfg.world_size - 1}")
     dist.init_process_group("fake", rank=rank, world_size=cfg.world_size, store=FakeStore())
     try:
-        par = cfg.parallel
-        mesh = init_device_mesh("cpu", (par.pp, par.dp, par.tp), mesh_dim_names=("pp", "dp", "tp"))
-        pp_rank, dp_rank, tp_rank = (mesh[dim].get_local_rank() for dim in ("pp", "dp", "tp"))
-        parts = [_sharded_stage(cfg, stage, mesh) for stage in parallel.stage_ids(cfg, pp_rank)]
+        layout = parallel.build_layout(cfg, torch.device("cpu"))
+        parts = parallel.build_model_parts(cfg, model_args(cfg), layout, torch.device("meta"), bf16=False)
         optimizer = build_optimizer(parts, cfg.optim, fused=False)
         params = [p for part in parts for p in part.parameters()]
         for p in params:
@@ -68,7 +66,7 @@ def simulate_rank(cfg: JobConfig, rank: int) -> RankMemory:
         # The two moments per parameter; AdamW's step counters are scalars (4 bytes a parameter tensor), left out.
         state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
         return RankMemory(
-            rank, pp_rank, dp_rank, tp_rank,
+            rank, layout.pp_rank, layout.dp_rank, layout.tp_rank,
             layers=sum(len(part.layers) for part in parts),
             params=sum(_local(p).numel() for p in params),
             param_bytes=sum(_bytes(p) for p in params),
@@ -77,15 +75,6 @@ def simulate_rank(cfg: JobConfig, rank: int) -> RankMemory:
         )  # fmt: skip
     finally:
         dist.destroy_process_group()
-
-
-def _sharded_stage(cfg: JobConfig, stage: int, mesh) -> torch.nn.Module:
-    model = parallel.build_stage_model(model_args(cfg), cfg, stage)
-    if cfg.parallel.tp > 1:
-        parallel.apply_tensor_parallel(model, mesh["tp"])
-    if parallel.uses_fsdp(cfg):
-        parallel.apply_fsdp(model, mesh["dp"], cfg.parallel.dp_mode, bf16=False)
-    return model
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -104,7 +93,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg, _ = parse_train_args(train_argv)
         ranks = opts.rank or [0, cfg.world_size - 1]
-        results = [simulate_rank(cfg, r % cfg.world_size if r < 0 else r) for r in ranks]
+        results = [simulate_rank(cfg, r + cfg.world_size if r < 0 else r) for r in ranks]  # -1: the last
     except (ConfigError, ValueError) as e:
         print(f"keel simulate: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
