@@ -7,9 +7,9 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-import altair as alt
 import streamlit as st
 
+from keel.dashboard.charts import CATEGORY10, SOLID, draw, line_chart
 from keel.dashboard.runs_page import REFRESH_S, run_folders
 from keel.dashboard.series import METRICS, compare_series
 from keel.monitor.runs import find_runs
@@ -54,16 +54,9 @@ def _live_compare(runs: dict[str, Path], metric: str, align: str) -> None:
         except (sqlite3.Error, FileNotFoundError) as e:
             st.warning(f"{name}: cannot read its run store ({type(e).__name__}: {e}); the other runs are shown.")
     series = compare_series(kept, metric, align)
-    chart = (
-        alt.Chart(series, title=f"{METRICS[metric]} by {ALIGN[align]}")
-        .mark_line(strokeWidth=1.5)
-        .encode(
-            x=alt.X("x:Q", title=ALIGN[align], axis=alt.Axis(format=",d", tickMinStep=1)),
-            y=alt.Y("value:Q", title=None, scale=alt.Scale(zero=False)),
-            color=alt.Color("run:N", scale=alt.Scale(scheme="category10"), legend=alt.Legend(orient="bottom")),  # distinct hues
-            tooltip=["run:N", "x:Q", "value:Q"],
-        )
-        .properties(height=420)
+    styles = {name: {"colour": CATEGORY10[i % len(CATEGORY10)], "dash": SOLID} for i, name in enumerate(runs)}  # distinct hues
+    draw(
+        [line_chart(series, "x", "run", styles, f"{METRICS[metric]} by {ALIGN[align]}", 420, x_title=ALIGN[align], legend=True)],
+        key="compare-chart",
     )
-    st.altair_chart(chart, key="compare-chart")
     st.caption(f"{len(kept)} runs, effective trajectories (what rollbacks and restarts kept); refreshed every {REFRESH_S:g} s.")

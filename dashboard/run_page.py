@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from keel.dashboard.charts import bar_chart, metric_chart, metric_grid, rank_heatmap
+from keel.dashboard.charts import bar_chart, draw, metric_chart, rank_heatmap
 from keel.dashboard.run_data import RunData, RunReader
 from keel.dashboard.runs_page import REFRESH_S, run_folders
 from keel.dashboard.series import MARKER_COLOURS, METRICS, ROUTINE_MARKERS, event_markers, metric_series, straggler_marks
@@ -25,10 +25,9 @@ from keel.monitor.run_dir import CONFIG_FILE, MANIFEST
 from keel.monitor.runs import find_runs
 from keel.monitor.store import read_meta, step_bounds, store_version
 
-# The small charts, three to a row, are 260 px wide: M4 on 260 columns keeps every pixel column's extremes,
-# and the browser's time to draw the page grows with the points sent (about 30 us each).
-SMALL_CHART_PX = 260
-SMALL_CHART_BUCKETS = SMALL_CHART_PX
+# The small charts, three to a row, are about 480 px wide on a wide page: M4 on 480 columns keeps every pixel
+# column's extremes.
+SMALL_CHART_BUCKETS = 480
 HEATMAP_BINS = 120  # step columns of the rank x step heatmaps
 RANGE_KEY = "steps"  # the slider's state key and the URL parameter (?steps=LO-HI)
 _NEWEST_KEY = "newest-step"
@@ -133,13 +132,16 @@ def _metric_charts(rows: pd.DataFrame, markers: pd.DataFrame, steps: tuple[int, 
     # The loss at full width with the legends and every event; the other metrics below, small, sharing its
     # colours, with every event but the routine ones.
     loss = metric_series(rows, "loss", grid=steps)
-    st.vega_lite_chart(spec=metric_chart(loss, shown, METRICS["loss"], steps, MARKER_COLOURS, 300, legend=True), key="chart-loss")
-    small = {
-        title: metric_series(rows, metric, grid=steps, buckets=SMALL_CHART_BUCKETS) for metric, title in METRICS.items() if metric != "loss"
-    }
+    draw([metric_chart(loss, shown, METRICS["loss"], steps, MARKER_COLOURS, 300, legend=True)], key="chart-loss")
     unusual = shown[~shown.kind.isin(ROUTINE_MARKERS)]
-    grid = metric_grid(small, unusual, steps, MARKER_COLOURS, SMALL_CHART_PX, 180, columns=3)
-    st.vega_lite_chart(spec=grid, key="chart-grid", width="content")
+    small = [
+        metric_chart(
+            metric_series(rows, metric, grid=steps, buckets=SMALL_CHART_BUCKETS), unusual, title, steps, MARKER_COLOURS, 150, legend=False
+        )
+        for metric, title in METRICS.items()
+        if metric != "loss"
+    ]
+    draw(small, key="chart-grid", columns=3)
 
 
 def _rank_charts(ranks: pd.DataFrame, stragglers: pd.DataFrame, steps: tuple[int, int]) -> None:
@@ -151,21 +153,21 @@ def _rank_charts(ranks: pd.DataFrame, stragglers: pd.DataFrame, steps: tuple[int
                "(communication is timed on sampled steps). The rank the others wait for has the least communication time.")  # fmt: skip
     heat, memory = st.columns([4, 1])
     with heat:
+        heatmaps = []
         for metric, title in (("step_time_s", "step time (s)"), ("comm_time_s", "communication time (s)")):
             if ranks[metric].isna().all():  # an empty heatmap with a "NaN" colour scale reads as broken
                 st.caption(f"{title}: not measured in this step range (a single process does not communicate).")
                 continue
-            st.vega_lite_chart(spec=rank_heatmap(ranks, stragglers, metric, title, steps, _rank_rows(ranks)), key=f"heatmap-{metric}")
+            heatmaps.append(rank_heatmap(ranks, stragglers, metric, title, steps, _rank_rows(ranks)))
+        draw(heatmaps, key="heatmaps")
     with memory:
         peak = ranks.groupby("rank", as_index=False).mem_peak_bytes.max()
         peak["GiB"] = peak.mem_peak_bytes.astype("float64") / 2**30
-        bars = bar_chart(peak, "rank", "ordinal", "GiB", "peak GiB by rank", _rank_rows(ranks))
-        st.vega_lite_chart(spec=bars, key="rank-memory")
+        draw([bar_chart(peak, "rank", "GiB", "peak GiB by rank", _rank_rows(ranks))], key="rank-memory")
 
 
 def _rank_rows(ranks: pd.DataFrame) -> int:
-    """Each rank's row height: 20 px, smaller for many ranks so that the heatmap stays on a screen.
-    Sized by step, not by a total height: Vega-Lite fitted to a total squeezes the rows to nothing."""
+    """Each rank's row height: 20 px, smaller for many ranks so that the heatmap stays on a screen."""
     return max(4, min(20, 480 // ranks["rank"].nunique()))
 
 
@@ -173,7 +175,7 @@ def _goodput_chart(goodput: Goodput) -> None:
     st.subheader("Goodput")
     st.caption(f"{goodput.goodput:.1%} of {goodput.wall_s:,.0f} s of wall time went to steps that count.")
     parts = pd.DataFrame({"where": ["productive", *goodput.lost_s], "seconds": [goodput.productive_s, *goodput.lost_s.values()]})
-    st.vega_lite_chart(spec=bar_chart(parts, "where", "nominal", "seconds", "where the time went (s)", 24), key="goodput")
+    draw([bar_chart(parts, "where", "seconds", "where the time went (s)", 24)], key="goodput")
 
 
 @st.cache_data(max_entries=1024, show_spinner=False)

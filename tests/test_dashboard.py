@@ -13,7 +13,6 @@ import urllib.request
 from pathlib import Path
 
 import pandas as pd
-import pyarrow as pa
 import pytest
 from conftest import keel
 from streamlit.testing.v1 import AppTest
@@ -66,22 +65,13 @@ def _run_page(run_folder: Path, run: str, monkeypatch) -> AppTest:
     return app.run()
 
 
-def _chart_frames(chart) -> list[pd.DataFrame]:
-    return [pa.ipc.open_stream(d.data.data).read_pandas() for d in chart.proto.datasets]
-
-
 def _charts(app: AppTest) -> dict[str, list[pd.DataFrame]]:
-    """The page's charts by title, each as the data frames it draws; a grid of small multiples (rows of
-    hconcat in a vconcat) gives one entry per titled view."""
+    """The page's charts by title (keel.dashboard.charts' panels), each as the data frames it draws."""
     charts = {}
-    for chart in app.get("vega_lite_chart"):
-        spec, frames = json.loads(chart.proto.spec), {d.name: f for d, f in zip(chart.proto.datasets, _chart_frames(chart))}
-        views = [view for row in spec.get("vconcat", [spec]) for view in row.get("hconcat", [row])]
-        for view in views:
-            layers = view.get("layer", [view])
-            [title] = {t for t in [view.get("title"), *(layer.get("title") for layer in layers)] if t}
-            names = [layer["data"]["name"] for layer in layers if "name" in layer.get("data", {})]
-            charts[title] = [frames[n] for n in names] if names else list(frames.values())
+    for element in app.get("bidi_component"):
+        assert element.proto.component_name == "keel_chart"
+        for panel in json.loads(element.proto.json)["panels"]:
+            charts[panel["title"]] = [pd.DataFrame(columns) for columns in panel["frames"].values()]
     return charts
 
 
@@ -318,7 +308,7 @@ def test_compare_page_overlays_runs_by_tokens(spike_run, reference_dir, tmp_path
     params = {"run": ["spike", "tiny", "../../etc"], "by": ["tokens_seen"], "metric": ["grad_norm"]}
     app = _page("render_compare", tmp_path, monkeypatch, params)
     assert not app.exception and "No run named '../../etc'" in app.error[0].value
-    [series] = _charts(app)["grad norm by tokens trained on"]
+    series, _no_events = _charts(app)["grad norm by tokens trained on"]
     assert set(series.run) == {"spike", "tiny"}
     for name, run_dir in (("spike", spike_run), ("tiny", reference_dir)):
         kept = read_steps(run_dir, effective=True)

@@ -24,7 +24,9 @@ from servers import free_port
 from streamlit.testing.v1 import AppTest
 
 from keel.dashboard.actions import ACTIONS_ENV
+from keel.dashboard.charts import ABANDONED_COLOURS, EFFECTIVE_COLOUR
 from keel.dashboard.runs_page import RUNS_ENV
+from keel.dashboard.series import MARKER_KINDS
 from keel.monitor.store import read_events, step_bounds
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -131,21 +133,38 @@ def _caption_steps(page) -> int:
     return int(re.search(r"to ([\d,]+):", text).group(1).replace(",", ""))
 
 
+# How many of a canvas's pixels are within a small distance of a "#rrggbb" colour.
+_PIXELS_OF = """(canvas, hex) => {
+    const want = [1, 3, 5].map(k => parseInt(hex.slice(k, k + 2), 16));
+    const px = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height).data;
+    let n = 0;
+    for (let i = 0; i < px.length; i += 4) if (want.every((v, k) => Math.abs(px[i + k] - v) < 24) && px[i + 3] > 200) n++;
+    return n;
+}"""
+
+
 def test_run_page_shows_the_run_with_a_rendered_loss_chart(browser, dashboard, spike_run):
     page = _open(browser, dashboard + "/run?run=spike")
     assert _caption_steps(page) == 60
-    # The loss chart is drawn: Vega renders it as SVG of real size, with the line's path in it.
-    chart = page.locator("[data-testid='stVegaLiteChart'] svg.marks").first
+    # The loss chart is drawn on a canvas of real size, both of its lines in its pixels: the effective
+    # trajectory's blue and the abandoned attempt's red (keel.dashboard.charts' colours).
+    chart = page.locator(".keel-panel[data-title='loss'] canvas[data-drawn]")
     chart.wait_for(timeout=30_000)
-    # Vega first draws at its default 300 px and then fits the container: wait for the fitted size.
-    deadline = time.time() + 30
-    while (box := chart.bounding_box())["width"] <= 400 and time.time() < deadline:
-        time.sleep(0.2)
+    box = chart.bounding_box()
     assert box["width"] > 400 and box["height"] > 150
-    lines = chart.locator("g.mark-line path")
-    assert lines.count() >= 2  # the effective trajectory and the attempt the rollback abandoned
+    assert chart.get_attribute("data-segments") == "2"
+    for colour in (EFFECTIVE_COLOUR, ABANDONED_COLOURS[0]):
+        assert chart.evaluate(_PIXELS_OF, colour) > 50, colour
     assert page.get_by_text("loss", exact=True).first.is_visible()
     assert page.locator("[data-testid='stException']").count() == 0
+    # Hovering along the chart names every marked event with its message (the markers' hover text).
+    seen = set()
+    for dx in range(0, int(box["width"]), 3):
+        page.mouse.move(box["x"] + dx, box["y"] + box["height"] / 2)
+        seen.add(page.locator(".keel-chart > div:last-child").first.inner_text())
+    events = read_events(spike_run)
+    for _, event in events[events.kind.isin(MARKER_KINDS)].iterrows():
+        assert any(f"at step {int(event.step)} " in text and event.message in text for text in seen), event.message
     page.close()
 
 
