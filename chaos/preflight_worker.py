@@ -253,15 +253,20 @@ def model_state_bytes(cfg: JobConfig) -> int:
 
 def activation_bytes(cfg: JobConfig) -> int:
     """Activations kept for backward on the busiest rank, in fp32 (an upper bound under bf16). Per layer and
-    micro-batch s·b·d·(10 + 24/t + 5·h·s/(d·t)) bytes at 16 bits (Korthikanti et al. 2022, no recomputation,
-    no sequence parallelism), doubled for fp32. A pipeline's first stage holds min(micro-batches, pp) of them
-    under 1F1B (interleaved counted alike) and all of them under GPipe; plus the logits and their gradient."""
+    micro-batch s·b·d·(10 + 24/t + 5·h·s/(d·t)) bytes at 16 bits (Korthikanti et al. 2022, no sequence
+    parallelism), doubled for fp32. Under training.activation_checkpointing, that paper's figures too:
+    `selective` drops the attention term (s·b·d·(10 + 24/t)), `full` keeps each layer's input (2·s·b·d)
+    and holds one layer's whole activations while it recomputes it. A pipeline's first stage holds
+    min(micro-batches, pp) micro-batches under 1F1B (interleaved counted alike) and all of them under
+    GPipe; plus the logits and their gradient."""
     par, tr, args = cfg.parallel, cfg.training, model_args(cfg)
     s, b, d, h, t = cfg.data.seq_len, cfg.microbatch_rows, args.dim, args.n_heads, par.tp
-    per_layer = 2 * s * b * d * (10 + 24 / t + 5 * h * s / (d * t))
+    whole_layer = 2 * s * b * d * (10 + 24 / t + 5 * h * s / (d * t))
+    kept_per_layer = {"none": whole_layer, "selective": 2 * s * b * d * (10 + 24 / t), "full": 2 * 2 * s * b * d}
+    recomputing = whole_layer if tr.activation_checkpointing == "full" else 0
     in_flight = 1 if par.pp == 1 else tr.microbatches if par.pp_schedule == "GPipe" else min(tr.microbatches, par.pp)
     logits = 2 * 4 * s * b * padded_vocab_size(args.vocab_size, t)  # gathered padded, before the cut to the real vocabulary
-    return int(per_layer * args.n_layers / par.pp * in_flight + logits)
+    return int(kept_per_layer[tr.activation_checkpointing] * args.n_layers / par.pp * in_flight + recomputing + logits)
 
 
 def free_memory(device: torch.device) -> tuple[int, str]:

@@ -34,6 +34,11 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking", "--no-first-run"]
 LIVE_WITHIN_S = 10.0
 PAGES = {"runs": "/", "run": "/run?run=spike", "events": "/events?run=spike", "drills": "/drills", "compare": "/compare?run=spike&run=live"}
+# What shows that each page has drawn: its charts (keel.dashboard.charts marks each element drawn), its table, its last part.
+DRAWN = {
+    "runs": "[data-testid='stDataFrame']", "run": ".keel-chart[data-drawn] >> nth=4", "events": "[data-testid='stDataFrame']",
+    "drills": "text=Inject a fault into a running run", "compare": ".keel-chart[data-drawn]",
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +208,8 @@ def test_broken_run_directories_get_a_message_and_the_rest_works(browser, dashbo
 def test_every_page_renders_and_is_saved_as_a_screenshot(browser, dashboard, shots):
     for name, path in PAGES.items():
         page = _open(browser, dashboard + path)
-        page.wait_for_timeout(4000)  # charts and tables settle
+        page.locator(DRAWN[name]).first.wait_for(timeout=30_000)
+        page.wait_for_timeout(1000)  # a table's cells and the images finish painting
         assert page.locator("[data-testid='stException']").count() == 0, name
         page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
         assert (shots / f"{name}.png").stat().st_size > 20_000

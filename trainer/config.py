@@ -30,6 +30,7 @@ from keel.trainer.model_args import MODEL_PRESETS, model_args
 PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]  # torch.distributed.pipelining's schedule names
 DataParallelMode = Literal["zero3", "zero2", "replicate"]
 TrainingDtype = Literal["auto", "fp32", "bf16"]
+ActivationCheckpointing = Literal["none", "selective", "full"]  # per block: see keel.trainer.activation_checkpoint
 
 
 class ConfigError(ValueError):
@@ -84,6 +85,7 @@ class TrainingConfig:
     microbatches: int = 1  # per dp rank; the pipeline schedule's n_microbatches when pp > 1
     seed: int = 0
     dtype: TrainingDtype = "auto"  # auto: bf16 mixed precision on CUDA, fp32 on CPU
+    activation_checkpointing: ActivationCheckpointing = "none"  # recompute in the backward instead of keeping
 
     def validate(self) -> None:
         at_least("training.steps", self.steps, 1)

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from keel.trainer.activation_checkpoint import apply_activation_checkpointing
 from keel.trainer.config import DataParallelMode, JobConfig
 from keel.trainer.model import Transformer
 from keel.trainer.model_args import ModelArgs, padded_vocab_size, stage_layers
@@ -190,6 +191,7 @@ def build_model_parts(cfg: JobConfig, args: ModelArgs, layout: Layout, device: t
         log.info("pipeline stage %d built: %d parameters (+%d of vocabulary padding)", stage, model.real_parameter_count(), padding)
         if layout.tp > 1:
             apply_tensor_parallel(model, layout.mesh["tp"])
+        apply_activation_checkpointing(model, cfg.training.activation_checkpointing)
         if uses_fsdp(cfg):
             apply_fsdp(model, layout.mesh["dp"], cfg.parallel.dp_mode, bf16)
         if device.type != "meta":

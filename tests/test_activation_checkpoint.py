@@ -1,0 +1,72 @@
+"""Activation checkpointing (training.activation_checkpointing) recomputes instead of keeping: the
+numbers must not change. Here in one process, the three modes trained side by side; tests/test_parity.py
+runs `full` under pp, dp (FSDP) and tp at once. What it saves is measured in bench/activation_memory.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from keel.chaos.preflight_worker import activation_bytes
+from keel.trainer.activation_checkpoint import apply_activation_checkpointing
+from keel.trainer.config import ConfigError, load_config
+from keel.trainer.model import Transformer
+from keel.trainer.model_args import ModelArgs
+
+ARGS = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=192, max_seq_len=64)
+
+
+def _train(mode: str, steps: int = 3) -> tuple[list[float], list[torch.Tensor], int]:
+    """(losses, the last step's gradients, how many times a block's feed-forward ran) of `steps` AdamW
+    steps on one fixed batch."""
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    model.init_weights(0)
+    apply_activation_checkpointing(model, mode)
+    runs, feed_forward = [], model.layers["1"].feed_forward
+    forward = feed_forward.forward
+    feed_forward.forward = lambda x: runs.append(1) or forward(x)  # counted in the call itself: recomputation runs no hooks
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    tokens = torch.randint(0, ARGS.vocab_size, (4, 33), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, [p.grad.clone() for p in model.parameters()], len(runs)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_checkpointing_changes_no_number(mode):
+    losses, grads, runs = _train("none")
+    checkpointed_losses, checkpointed_grads, recomputed_runs = _train(mode)
+    assert (runs, recomputed_runs) == (3, 6)  # the backward ran each block's forward again
+    assert checkpointed_losses == losses  # bit for bit: the same ops, recomputed in the same order
+    for g, h in zip(grads, checkpointed_grads):
+        assert torch.equal(g, h)
+
+
+def test_checkpointing_keeps_every_parameter_name():
+    """Names seed the initial weights and key the checkpoints: a wrapper module would change them."""
+    plain, checkpointed = Transformer(ARGS), Transformer(ARGS)
+    apply_activation_checkpointing(checkpointed, "full")
+    assert [n for n, _ in checkpointed.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert list(checkpointed.state_dict()) == list(plain.state_dict())
+
+
+def test_preflight_counts_less_activation_memory_for_more_recomputation():
+    kept = {
+        mode: activation_bytes(load_config("small", {"training.activation_checkpointing": mode})) for mode in ("none", "selective", "full")
+    }
+    assert kept["none"] > kept["selective"] > kept["full"] > 0
+
+
+def test_an_unknown_mode_is_one_line_naming_the_choices():
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", {"training.activation_checkpointing": "some"})
+    message = str(e.value)
+    assert "training.activation_checkpointing" in message and "selective" in message and "\n" not in message
