@@ -1,6 +1,7 @@
 """A resume loads only a checkpoint of the same model and data: anything else is refused in one line that
 names each changed field, by `keel train` before any worker starts and by the workers themselves when
-torchrun starts them directly. A new parallel layout is allowed, and said and recorded."""
+torchrun starts them directly. A new parallel layout is allowed, and said and recorded
+(tests/test_resume_layouts.py)."""
 
 from __future__ import annotations
 
@@ -45,18 +46,6 @@ def test_other_data_is_refused_before_any_worker(trained, tmp_path):
     proc = keel("train", "--resume", str(trained), f"--data.source={data}", timeout=60)
     assert_one_line_error(proc, [CHECKPOINT, "data version: sha256:", "(data.source=builtin)", f"now (data.source={data})"])
     assert "model." not in proc.stderr
-
-
-def test_another_layout_resumes_and_says_what_changed(trained, tmp_path):
-    run_dir = copy_of(trained, tmp_path)
-    proc = keel("train", "--resume", str(run_dir), "--dp", "1", "--tp", "2", "--steps", "9")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "parallel layout: pp1 dp2 tp1 in the checkpoint, pp1 dp1 tp2 now" in proc.stdout
-    events = read_events(run_dir)
-    changed = events[events.kind == "layout_changed"]
-    assert len(changed) == 1 and "pp1 dp2 tp1 in the checkpoint, pp1 dp1 tp2 now" in changed.iloc[0]["message"]
-    assert changed.iloc[0]["step"] == 6 and changed.iloc[0]["data"]["checkpoint"] == CHECKPOINT
-    assert list(read_steps(run_dir, effective=True).step) == list(range(1, 10))
 
 
 def test_workers_refuse_another_model_without_the_launcher(trained, tmp_path):

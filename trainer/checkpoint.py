@@ -314,10 +314,14 @@ class Checkpointer:
         manifest = json.loads((path / MANIFEST).read_text())
         layout_change = vet_resume(manifest, path, self.manifest_info) if resuming else None
         state = self._state()
+        # A resume on more ranks than saved the checkpoint: a rank it has no generator state for keeps its own.
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        state["rng"] = {key: value for key, value in state["rng"].items() if f"rng.{key}" in saved}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS)
-        torch.set_rng_state(state["rng"][f"rank{self.rank}"])
-        if torch.cuda.is_available():
+        if f"rank{self.rank}" in state["rng"]:
+            torch.set_rng_state(state["rng"][f"rank{self.rank}"])
+        if f"cuda_rank{self.rank}" in state["rng"]:
             torch.cuda.set_rng_state(state["rng"][f"cuda_rank{self.rank}"])
         self.saved_step, self.saved_time = step, time.time()
         if self.world > 1:

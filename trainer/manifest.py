@@ -25,6 +25,8 @@ from keel.trainer.config import ConfigError, JobConfig
 from keel.trainer.model_args import model_args, padded_vocab_size
 
 LAYOUT_FIELDS = ("pp", "dp", "tp", "pp_virtual_stages", "pp_schedule", "dp_mode")
+# How the work is split, recorded in the manifest's "parallel": the layout, and training.microbatches.
+SPLIT_FIELDS = (*LAYOUT_FIELDS, "microbatches")
 
 
 def config_record(cfg: JobConfig, data_version: str) -> dict:
@@ -41,7 +43,7 @@ def config_record(cfg: JobConfig, data_version: str) -> dict:
         "data_version": data_version,
         "model": shape,
         "data": data,
-        "parallel": {k: getattr(cfg.parallel, k) for k in LAYOUT_FIELDS},
+        "parallel": {k: getattr(cfg.parallel, k) for k in LAYOUT_FIELDS} | {"microbatches": cfg.training.microbatches},
         "vocab_rows": padded_vocab_size(args.vocab_size, cfg.parallel.tp),  # the saved embedding's and head's rows
     }
 
@@ -65,7 +67,7 @@ def resume_differences(saved: dict, now: dict) -> tuple[list[str], str | None]:
             f"data version: {saved['data_version']} in the checkpoint{source}, {now['data_version']} now (data.source={now['data']['source']})"
         )
     layout = saved.get("parallel", {})
-    if all(layout.get(k, now["parallel"][k]) == now["parallel"][k] for k in LAYOUT_FIELDS):
+    if all(layout.get(k, now["parallel"][k]) == now["parallel"][k] for k in SPLIT_FIELDS):
         return refusals, None
     return refusals, f"parallel layout: {_layout(layout, now['parallel'])} in the checkpoint, {_layout(now['parallel'], layout)} now"
 
@@ -89,8 +91,8 @@ def _padding_refusal(saved: dict, now: dict) -> list[str]:
 
 
 def _layout(mine: dict, other: dict) -> str:
-    """pp·dp·tp, then the other layout fields where the two differ ("pp2 dp1 tp1 pp_schedule=GPipe")."""
-    extra = "".join(f" {k}={mine[k]}" for k in LAYOUT_FIELDS[3:] if k in mine and k in other and mine[k] != other[k])
+    """pp·dp·tp, then the other fields of the split where the two differ ("pp2 dp1 tp1 pp_schedule=GPipe")."""
+    extra = "".join(f" {k}={mine[k]}" for k in SPLIT_FIELDS[3:] if k in mine and k in other and mine[k] != other[k])
     return f"pp{mine['pp']} dp{mine['dp']} tp{mine['tp']}{extra}"
 
 
