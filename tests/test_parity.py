@@ -39,8 +39,6 @@ LAYOUTS = {
     "pp2-dp2-gpipe": ["--pp", "2", "--dp", "2", "--parallel.pp_schedule=GPipe"],
     # Stages of 1, 2 and 1 layers: 4 layers do not split evenly over 3 (model_args.stage_layers).
     "pp3-uneven": ["--pp", "3", "--training.microbatches=4"],
-    # Every block recomputed in the backward, under all three dimensions (FSDP's hooks and checkpointing's).
-    "pp2-dp2-tp2-full-ac": ["--pp", "2", "--dp", "2", "--tp", "2", "--training.activation_checkpointing=full"],
 }
 
 
@@ -54,8 +52,6 @@ MEASURED = {
     "pp2-dp2-replicate": (1.07e-7, 2.15e-7), "pp2-dp2-gpipe": (1.07e-7, 2.15e-7),
     # Four micro-batches where the reference has two: the same difference as pp2 with four (1.29e-7, 6.77e-8).
     "pp3-uneven": (1.29e-7, 6.77e-8),
-    # Bit-identical to pp2-dp2-tp2 without checkpointing (measured 2026-12-02), so the same difference.
-    "pp2-dp2-tp2-full-ac": (1.07e-7, 4.47e-7),
 }  # fmt: skip
 
 

@@ -2,7 +2,12 @@
 time at another layout (`keel train --resume RUN_DIR --dp 4 ...`), through dp2 -> tp2 -> pp2·dp2
 interleaved with 4 micro-batches -> pp2·dp2 1F1B with 2 -> dp4. Each resume loads the checkpoint of
 another layout into the meta-built model and says what changed; the whole run follows the single-process
-run as closely as any one layout does (tests/test_parity.py)."""
+run as closely as any one layout does (tests/test_parity.py).
+
+It is also the parity case of activation checkpointing under every dimension, turned on at a resume as
+a user short of memory would: `full` at tp2 and at pp2·dp2 interleaved (FSDP's hooks beside
+checkpointing's), `selective` at pp2·dp2 1F1B. Checkpointing changes no number (one process:
+tests/test_activation_checkpoint.py), so the tolerance stays the layouts' own."""
 
 from __future__ import annotations
 
@@ -17,14 +22,14 @@ TINY = ["--config=tiny", "--checkpoint.interval_steps=4", "--checkpoint.async_sa
 # crash at the step after its checkpoint.
 SEGMENTS = [
     (["--dp=2"], None),
-    (["--dp=1", "--tp=2"], "pp1 dp2 tp1 in the checkpoint, pp1 dp1 tp2 now"),
+    (["--dp=1", "--tp=2", "--training.activation_checkpointing=full"], "pp1 dp2 tp1 in the checkpoint, pp1 dp1 tp2 now"),
     (["--pp=2", "--dp=2", "--tp=1", "--parallel.pp_schedule=Interleaved1F1B", "--parallel.pp_virtual_stages=2", "--training.microbatches=4"],
      "pp1 dp1 tp2 pp_virtual_stages=1 pp_schedule=1F1B microbatches=2 in the checkpoint, "
      "pp2 dp2 tp1 pp_virtual_stages=2 pp_schedule=Interleaved1F1B microbatches=4 now"),
-    (["--parallel.pp_schedule=1F1B", "--parallel.pp_virtual_stages=1", "--training.microbatches=2"],
+    (["--parallel.pp_schedule=1F1B", "--parallel.pp_virtual_stages=1", "--training.microbatches=2", "--training.activation_checkpointing=selective"],
      "pp2 dp2 tp1 pp_virtual_stages=2 pp_schedule=Interleaved1F1B microbatches=4 in the checkpoint, "
      "pp2 dp2 tp1 pp_virtual_stages=1 pp_schedule=1F1B microbatches=2 now"),
-    (["--pp=1", "--dp=4"], "pp2 dp2 tp1 in the checkpoint, pp1 dp4 tp1 now"),
+    (["--pp=1", "--dp=4", "--training.activation_checkpointing=none"], "pp2 dp2 tp1 in the checkpoint, pp1 dp4 tp1 now"),
 ]  # fmt: skip
 # The largest relative difference from the single-process run over the 20 steps (loss, grad norm), as
 # measured on 2026-12-02; the tolerance is 10x that, as in tests/test_parity.py.
@@ -49,5 +54,7 @@ def test_a_run_resumed_at_four_other_layouts_follows_the_single_process_run(tmp_
     run = read_steps(run_dir, effective=True)
     assert list(run.step) == list(range(1, 21))
     assert list(run.attempt.drop_duplicates()) == [0, 1, 2, 3, 4]  # every layout trained its four steps
+    logs = "".join(path.read_text() for path in (run_dir / "logs").iterdir())  # every attempt's, appended
+    assert "activation checkpointing (full)" in logs and "activation checkpointing (selective)" in logs
     np.testing.assert_allclose(run.loss, reference_run.loss, rtol=10 * MEASURED[0], atol=0)
     np.testing.assert_allclose(run.grad_norm, reference_run.grad_norm, rtol=10 * MEASURED[1], atol=0)

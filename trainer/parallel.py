@@ -192,6 +192,13 @@ def build_model_parts(cfg: JobConfig, args: ModelArgs, layout: Layout, device: t
         if layout.tp > 1:
             apply_tensor_parallel(model, layout.mesh["tp"])
         apply_activation_checkpointing(model, cfg.training.activation_checkpointing)
+        if cfg.training.activation_checkpointing != "none":
+            log.info(
+                "activation checkpointing (%s) on the %d blocks of stage %d",
+                cfg.training.activation_checkpointing,
+                len(model.layers),
+                stage,
+            )
         if uses_fsdp(cfg):
             apply_fsdp(model, layout.mesh["dp"], cfg.parallel.dp_mode, bf16)
         if device.type != "meta":
