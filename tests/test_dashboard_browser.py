@@ -209,7 +209,7 @@ def test_every_page_renders_and_is_saved_as_a_screenshot(browser, dashboard, sho
     for name, path in PAGES.items():
         page = _open(browser, dashboard + path)
         page.locator(DRAWN[name]).first.wait_for(timeout=30_000)
-        page.wait_for_timeout(1000)  # a table's cells and the images finish painting
+        page.wait_for_timeout(300)  # a table's cells finish painting
         assert page.locator("[data-testid='stException']").count() == 0, name
         page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
         assert (shots / f"{name}.png").stat().st_size > 20_000

@@ -24,9 +24,9 @@ CHECKPOINT = "step-00000006"
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    """Six tiny steps at dp2 with checkpoints at steps 3 and 6. Tests that resume it work on a copy."""
+    """Six tiny steps in one process with checkpoints at steps 3 and 6. Tests that resume it work on a copy."""
     run_dir = tmp_path_factory.mktemp("resume") / "run"
-    train(run_dir, "--config", "tiny", "--dp", "2", "--steps", "6", "--checkpoint.interval_steps=3", "--monitor.prometheus=false")
+    train(run_dir, "--config", "tiny", "--dp", "1", "--steps", "6", "--checkpoint.interval_steps=3", "--monitor.prometheus=false")
     return run_dir
 
 
