@@ -4,8 +4,10 @@
 // The data arrive as column arrays, already downsampled on the server (M4), so every point is drawn.
 
 const FONT = "11px 'Source Sans Pro', 'Source Sans 3', sans-serif";
-const TEXT = "#31333f";
-const GRID = "#e6e9ef";
+// Streamlit's theme, light or dark (it follows the user's system by default): read from the CSS variables
+// it gives components at each render (theme()), Streamlit's light theme until then.
+let TEXT = "#31333f";
+let BACKGROUND = "#ffffff";
 const PAD = { left: 60, right: 10, top: 8, bottom: 30 };
 // Viridis (matplotlib's colour map) at eleven stops, interpolated in between.
 const VIRIDIS = ["#440154", "#482475", "#414487", "#355f8d", "#2a788e", "#21918c", "#22a884", "#44bf70", "#7ad151", "#bddf26", "#fde725"];
@@ -24,19 +26,26 @@ export default function (component) {
   return () => resized.disconnect();
 }
 
+function theme(root) {
+  const style = getComputedStyle(root);
+  const get = (name, fallback) => style.getPropertyValue(name).trim() || fallback;
+  return [get("--st-text-color", "#31333f"), get("--st-background-color", "#ffffff")];
+}
+
 function render(root, data) {
+  [TEXT, BACKGROUND] = theme(root);
   root.replaceChildren();
   root.dataset.width = String(root.clientWidth);
   const tip = document.createElement("div");
-  tip.style.cssText = "position:absolute;display:none;pointer-events:none;z-index:10;background:#fff;border:1px solid #ccc;"
-    + "border-radius:4px;padding:4px 7px;font:12px sans-serif;color:#31333f;white-space:pre;box-shadow:0 1px 4px rgba(0,0,0,.15);";
+  tip.style.cssText = `position:absolute;display:none;pointer-events:none;z-index:10;background:${BACKGROUND};color:${TEXT};`
+    + "border:1px solid rgba(128,128,128,.45);border-radius:4px;padding:4px 7px;font:12px sans-serif;white-space:pre;box-shadow:0 1px 4px rgba(0,0,0,.15);";
   for (const panel of data.panels) {
     const cell = root.appendChild(document.createElement("div"));
     cell.className = "keel-panel";
     cell.dataset.title = panel.title;
     const heading = cell.appendChild(document.createElement("div"));
     heading.textContent = panel.title; // text, not pixels: found by search and read by screen readers
-    heading.style.cssText = "font:600 13px sans-serif;color:#31333f;text-align:center;margin-bottom:2px;";
+    heading.style.cssText = `font:600 13px sans-serif;color:${TEXT};text-align:center;margin-bottom:2px;`;
     const canvas = cell.appendChild(document.createElement("canvas"));
     const width = Math.max(120, cell.clientWidth);
     const height = panel.height + PAD.top + PAD.bottom; // panel.height: the plot's own
@@ -106,16 +115,18 @@ function frame(columns) {
 }
 
 function axes(g, x, y, xTicks, yTicks, plot, xTitle) {
-  g.strokeStyle = GRID;
+  g.strokeStyle = TEXT; // grid lines and frame in the text colour, faint: they read on a light or dark theme
   g.lineWidth = 1;
   g.fillStyle = TEXT;
   g.textAlign = "right";
   g.textBaseline = "middle";
   for (const v of yTicks) {
+    g.globalAlpha = 0.12;
     g.beginPath();
     g.moveTo(plot.left, Math.round(y(v)) + 0.5);
     g.lineTo(plot.right, Math.round(y(v)) + 0.5);
     g.stroke();
+    g.globalAlpha = 1;
     g.fillText(number(v), plot.left - 5, y(v));
   }
   g.textBaseline = "top";
@@ -123,8 +134,9 @@ function axes(g, x, y, xTicks, yTicks, plot, xTitle) {
   g.textAlign = "center";
   g.fillText(xTitle, (plot.left + plot.right) / 2, plot.bottom + 17);
   g.textBaseline = "alphabetic";
-  g.strokeStyle = "#888";
+  g.globalAlpha = 0.45;
   g.strokeRect(plot.left + 0.5, plot.top + 0.5, plot.right - plot.left, plot.bottom - plot.top);
+  g.globalAlpha = 1;
 }
 
 // A line per segment (panel.by: the effective trajectory and each abandoned attempt, or each run; never
@@ -283,7 +295,7 @@ function drawBars(g, panel, width, height) {
 
 function legend(entries) {
   const box = document.createElement("div");
-  box.style.cssText = "display:flex;flex-wrap:wrap;gap:4px 14px;justify-content:center;font:12px sans-serif;color:#31333f;margin-top:4px;";
+  box.style.cssText = `display:flex;flex-wrap:wrap;gap:4px 14px;justify-content:center;font:12px sans-serif;color:${TEXT};margin-top:4px;`;
   for (const { label, colour, dashed } of entries) {
     const item = box.appendChild(document.createElement("span"));
     const swatch = item.appendChild(document.createElement("span"));

@@ -173,6 +173,24 @@ def test_run_page_shows_the_run_with_a_rendered_loss_chart(browser, dashboard, s
     page.close()
 
 
+def test_charts_follow_a_dark_theme(browser, dashboard):
+    """Streamlit follows the system's dark mode by default: the charts' text must turn light with it, or
+    the axes and titles are dark on dark."""
+    page = browser.new_page(viewport={"width": 1500, "height": 1200}, color_scheme="dark")
+    page.goto(dashboard + "/run?run=spike")
+    title = page.locator(".keel-panel[data-title='loss'] > div").first
+    title.wait_for(timeout=60_000)
+    text = title.evaluate("e => getComputedStyle(e).color")
+    background = page.evaluate("getComputedStyle(document.querySelector('.stApp')).backgroundColor")
+    assert _brightness(background) < 0.3 < 0.7 < _brightness(text), (text, background)
+    page.close()
+
+
+def _brightness(css_colour: str) -> float:
+    """0 (black) to 1 (white): the mean of an "rgb(r, g, b)" colour's channels."""
+    return sum(map(int, re.findall(r"\d+", css_colour)[:3])) / 765
+
+
 def test_a_step_the_trainer_appends_appears_without_a_reload(browser, dashboard, live_run):
     page = _open(browser, dashboard + "/run?run=live")
     _caption_steps(page)
