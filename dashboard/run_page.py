@@ -159,7 +159,8 @@ def _rank_charts(ranks: pd.DataFrame, stragglers: pd.DataFrame, steps: tuple[int
                 st.caption(f"{title}: not measured in this step range (a single process does not communicate).")
                 continue
             heatmaps.append(rank_heatmap(ranks, stragglers, metric, title, steps, _rank_rows(ranks)))
-        draw(heatmaps, key="heatmaps")
+        if heatmaps:  # no empty chart element: the page's drawn charts are what it shows
+            draw(heatmaps, key="heatmaps")
     with memory:
         peak = ranks.groupby("rank", as_index=False).mem_peak_bytes.max()
         peak["GiB"] = peak.mem_peak_bytes.astype("float64") / 2**30
