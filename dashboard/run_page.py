@@ -18,12 +18,20 @@ import streamlit as st
 from keel.dashboard.charts import bar_chart, draw, metric_chart, rank_heatmap
 from keel.dashboard.run_data import RunData, RunReader
 from keel.dashboard.runs_page import REFRESH_S, run_folders
-from keel.dashboard.series import MARKER_COLOURS, METRICS, ROUTINE_MARKERS, event_markers, metric_series, straggler_marks
+from keel.dashboard.series import (
+    MARKER_COLOURS,
+    METRICS,
+    ROUTINE_MARKERS,
+    event_markers,
+    metric_series,
+    slowest_rank_counts,
+    straggler_marks,
+)
 from keel.monitor.checkpoints import checkpoint_table, verify
 from keel.monitor.goodput import Goodput
 from keel.monitor.run_dir import CONFIG_FILE, MANIFEST
 from keel.monitor.runs import find_runs
-from keel.monitor.store import read_meta, step_bounds, store_version
+from keel.monitor.store import SLOWEST_RANKS, read_meta, step_bounds, store_version
 
 # The small charts, three to a row, are about 480 px wide on a wide page: M4 on 480 columns keeps every pixel
 # column's extremes.
@@ -117,6 +125,7 @@ def _live_run(run_dir: Path) -> None:
         return
     _metric_charts(data.rows, event_markers(data.events), steps)
     _rank_charts(data.ranks, straggler_marks(data.events, steps), steps)
+    _slowest_ranks(data.rows)
     left, right = st.columns([2, 3])
     with left:
         _goodput_chart(data.goodput)
@@ -165,6 +174,17 @@ def _rank_charts(ranks: pd.DataFrame, stragglers: pd.DataFrame, steps: tuple[int
         peak = ranks.groupby("rank", as_index=False).mem_peak_bytes.max()
         peak["GiB"] = peak.mem_peak_bytes.astype("float64") / 2**30
         draw([bar_chart(peak, "rank", "GiB", "peak GiB by rank", _rank_rows(ranks))], key="rank-memory")
+
+
+def _slowest_ranks(rows: pd.DataFrame) -> None:
+    """The ranks most often among the slowest few of the measured steps in effect: read from the step rows,
+    it stays one small chart at any number of ranks, where the heatmaps above grow a row per rank."""
+    counts = slowest_rank_counts(rows[rows.segment == "effective"])
+    if counts.empty:
+        return
+    st.caption(f"The ranks most often among the {SLOWEST_RANKS} slowest by busy time (step minus communication), over the "
+               "measured steps in effect of this range.")  # fmt: skip
+    draw([bar_chart(counts.assign(rank=counts["rank"].astype(str)), "rank", "steps", "steps among the slowest", 20)], key="slowest-ranks")
 
 
 def _rank_rows(ranks: pd.DataFrame) -> int:

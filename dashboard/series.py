@@ -78,3 +78,13 @@ def compare_series(runs: dict[str, pd.DataFrame], metric: str, x: str, buckets: 
         drawn = m4(shown, x, metric, buckets, grid).rename(columns={x: "x", metric: "value"})
         parts.append(drawn.assign(value=drawn.value * UNIT_SCALE.get(metric, 1), run=name))
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["x", "value", "run"])
+
+
+def slowest_rank_counts(rows: pd.DataFrame, top: int = 8) -> pd.DataFrame:
+    """How often each rank was among the slowest few by busy time of a measured step (the step rows'
+    `slowest_ranks`), for the `top` ranks named most: columns rank, steps. From the step rows alone, so
+    it reads as fast at 16,384 ranks as at 8."""
+    named = rows.slowest_ranks.dropna()
+    ranks = named.str.split(",").explode().astype("int64")
+    counts = ranks.value_counts().rename_axis("rank").rename("steps").reset_index()
+    return counts.sort_values(["steps", "rank"], ascending=[False, True]).head(top).reset_index(drop=True)

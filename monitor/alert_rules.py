@@ -99,7 +99,9 @@ _TEMPLATE = """\
 #     a checkpoint save or an eval pass do not page; a run that has ended is not stalled;
 #   - throughput at @throughput_ratio@ or less of the previous @throughput_baseline@, sustained @throughput_for@;
 #   - MFU below @mfu_threshold@, sustained @mfu_for@;
-#   - exposed communication above @comm_share_threshold@ of step time, sustained @comm_share_for@;
+#   - exposed communication above @comm_share_threshold@ of step time on the rank that waits longest,
+#     sustained @comm_share_for@: the ranks' mean would hide one rank waiting for a straggler (in dp2 the
+#     mean of a rank waiting all step and one never waiting is 0.5);
 #   - a straggler is a rank whose score (the fastest rank of its pipeline stage's median busy time /
 #     its own, medians over @straggler_window@) is below @straggler_score@, sustained @straggler_for@.
 #     Busy time, not step time: in synchronous training every rank's step takes the same wall time.
@@ -145,8 +147,8 @@ groups:
             repeated spikes call for a rollback.
 
       # Critical: no step completed for @stall_factor@x the recent median step time (median over
-      # @stall_median_window@ of the slowest rank's per-rank step durations), with a floor of @stall_floor_s@ s.
-      # When no per-rank step durations are exported the floor alone applies. A run that has ended
+      # @stall_median_window@ of the last step's duration, the slowest rank's), with a floor of @stall_floor_s@ s.
+      # When no step durations are exported the floor alone applies. A run that has ended
       # (keel_run_ended, while its exporter lingers) is not stalled. $value is the seconds since the
       # last step. A dead exporter makes these series stale and this rule silent: pair it with an
       # `up{job="keel"} == 0` alert.
@@ -157,7 +159,7 @@ groups:
               > on (run_id)
             (
               clamp_min(
-                @stall_factor@ * max by (run_id) (quantile_over_time(0.5, keel_rank_step_duration_seconds[@stall_median_window@])),
+                @stall_factor@ * max by (run_id) (quantile_over_time(0.5, keel_last_step_duration_seconds[@stall_median_window@])),
                 @stall_floor_s@
               )
               or on (run_id)
@@ -210,10 +212,10 @@ groups:
             (alert below @mfu_threshold@). Check micro-batch size, activation checkpointing, the
             parallel layout and the communication share.
 
-      # Warning: exposed communication above @comm_share_threshold@ of step time for @comm_share_for@.
-      # $value is the share.
+      # Warning: exposed communication above @comm_share_threshold@ of step time, on the rank that
+      # waited longest, for @comm_share_for@. $value is that rank's share.
       - alert: KeelHighCommShare
-        expr: keel_comm_share_ratio > @comm_share_threshold@
+        expr: keel_comm_share_max_ratio > @comm_share_threshold@
         for: @comm_share_for@
         labels:
           severity: warning
@@ -221,7 +223,7 @@ groups:
           summary: "Keel run {{ $labels.run_id }}: communication {{ $value | humanizePercentage }} of step time"
           description: >-
             Run {{ $labels.run_id }}: exposed communication is {{ $value | humanizePercentage }} of
-            step time, sustained @comm_share_for@ (alert above @comm_share_threshold@). A slow rank makes
+            step time on the rank that waits longest, sustained @comm_share_for@ (alert above @comm_share_threshold@). A slow rank makes
             the others wait in collectives (see KeelStraggler); otherwise overlap communication with
             compute, or move tensor parallelism inside a node.
 

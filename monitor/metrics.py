@@ -29,18 +29,35 @@ GAUGES = (
     MetricSpec("keel_tokens_per_second", "gauge", "tokens/s", "Global training throughput of the last step.", "tokens_per_s"),
     MetricSpec("keel_mfu_ratio", "gauge", "ratio", "Model FLOPs utilization of the last step (0..1).", "mfu"),
     MetricSpec(
-        "keel_comm_share_ratio", "gauge", "ratio", "Exposed communication time / step time, last sampled step (0..1).", "comm_share"
+        "keel_comm_share_ratio",
+        "gauge",
+        "ratio",
+        "Exposed communication time / step time, the ranks' mean, last sampled step (0..1).",
+        "comm_share",
     ),
+    MetricSpec(
+        "keel_comm_share_max_ratio",
+        "gauge",
+        "ratio",
+        "Exposed communication time / step time of the rank that waited longest, last sampled step (0..1).",
+        "comm_share_max",
+    ),
+    MetricSpec("keel_last_step_duration_seconds", "gauge", "seconds", "Duration of the last step (slowest rank).", "step_time_s"),
     MetricSpec("keel_step", "gauge", "", "Last completed training step.", "step"),
     MetricSpec("keel_attempt", "gauge", "", "Attempt of the last step (raised by each rollback or restart).", "attempt"),
     MetricSpec("keel_last_step_timestamp_seconds", "gauge", "seconds", "Unix time at which the last step completed.", "time"),
     MetricSpec("keel_memory_peak_bytes", "gauge", "bytes", "Peak memory of the busiest rank.", "mem_peak_bytes"),
 )
 
-# Per-rank gauges, from the rank rows. In synchronous training every rank's step takes the same wall time
+# Per-rank gauges, from the rank rows (sampled steps: see keel.trainer.step_metrics). In synchronous training every rank's step takes the same wall time
 # (the fast ranks wait for the slow one inside the collectives), so only busy time names a straggler.
 RANK_STEP_DURATION = MetricSpec(
-    "keel_rank_step_duration_seconds", "gauge", "seconds", "Duration of the last step on each rank.", "step_time_s", ("run_id", "rank")
+    "keel_rank_step_duration_seconds",
+    "gauge",
+    "seconds",
+    "Duration of the last sampled step on each rank.",
+    "step_time_s",
+    ("run_id", "rank"),
 )
 RANK_BUSY = MetricSpec(
     "keel_rank_busy_seconds",

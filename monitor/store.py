@@ -31,6 +31,8 @@ from keel.monitor.run_dir import STORE_FILE
 if TYPE_CHECKING:
     import pandas as pd
 
+SLOWEST_RANKS = 3  # the ranks a step row names in `slowest_ranks`
+
 # Column -> Python type, in table order. The DDL, the binding and the reader's dtypes all come from here.
 _STEP_TYPES: dict[str, type] = {
     "step": int,
@@ -42,12 +44,19 @@ _STEP_TYPES: dict[str, type] = {
     "tokens": int,
     "tokens_per_s": float,
     "mfu": float,
-    "comm_share": float,  # NULL on steps where communication was not measured
-    "step_time_s": float,
+    "comm_share": float,  # the ranks' mean; NULL on steps where communication was not measured
+    "comm_share_max": float,  # the largest rank's share; NULL where not measured
+    "step_time_s": float,  # the slowest rank's: the step's
+    "step_time_median_s": float,
+    "step_time_min_s": float,
+    # The few ranks with the longest busy time (step minus communication), slowest first: "5,0,3"; NULL
+    # where communication was not measured (only that tells a slow rank from the ones waiting for it).
+    "slowest_ranks": str,
     "data_time_s": float,
     "mem_peak_bytes": int,
     "skipped": int,
 }
+# Kept on sampled steps only unless the trainer is told otherwise (metrics.rank_rows): see keel.trainer.step_metrics.
 _RANK_TYPES: dict[str, type] = {
     "step": int,
     "attempt": int,
@@ -64,10 +73,12 @@ STEP_COLUMNS: tuple[str, ...] = tuple(_STEP_TYPES)
 RANK_COLUMNS: tuple[str, ...] = tuple(_RANK_TYPES)
 
 
+_SQL_TYPES = {int: "INTEGER", float: "REAL", str: "TEXT"}
+
+
 def _table_ddl(table: str, types: dict[str, type], key: tuple[str, ...]) -> str:
-    sql_type = {int: "INTEGER", float: "REAL"}
     # SQLite lets primary key columns hold NULL unless told otherwise.
-    columns = [f"{c} {sql_type[t]}{' NOT NULL' if c in key else ''}" for c, t in types.items()]
+    columns = [f"{c} {_SQL_TYPES[t]}{' NOT NULL' if c in key else ''}" for c, t in types.items()]
     return f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(columns)}, PRIMARY KEY ({', '.join(key)}))"
 
 
@@ -123,6 +134,15 @@ def _create_store(path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _add_missing_columns(conn: sqlite3.Connection) -> None:
+    """A store written by an earlier Keel (a run resumed after an upgrade) gets the columns added since,
+    NULL in its earlier rows."""
+    for table, types in (("steps", _STEP_TYPES), ("rank_steps", _RANK_TYPES)):
+        present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        for column in types.keys() - present:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {_SQL_TYPES[types[column]]}")
+
+
 class RunStore:
     """Writer for one run's store. Create it once per process and reuse it; safe to share between threads."""
 
@@ -139,6 +159,7 @@ class RunStore:
         # killed, and only an OS crash or power loss can take back the last few.
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.executescript(_SCHEMA)
+        _add_missing_columns(self._conn)
 
     def write_step(self, step: Mapping[str, Any], rank_rows: Iterable[Mapping[str, Any]] = ()) -> None:
         """Write one step's row and its per-rank rows in one committed transaction.
@@ -240,8 +261,9 @@ def _query(run_dir: str | Path, sql: str, params: tuple | dict = ()) -> pd.DataF
 def _typed(df: pd.DataFrame, types: dict[str, type], key: tuple[str, ...]) -> pd.DataFrame:
     # Fixed dtypes, also for an empty table: key columns are never NULL, other integers may be (pandas Int64).
     # SQLite stores a NaN as NULL, so a non-finite float reads back as NaN either way.
-    dtypes = {c: "int64" if c in key else "Int64" if t is int else "float64" for c, t in types.items()}
-    return df.astype(dtypes)
+    # A store written by an earlier Keel may lack the newer columns: they read as missing values.
+    dtypes = {c: "int64" if c in key else "Int64" if t is int else "float64" if t is float else "object" for c, t in types.items()}
+    return df.reindex(columns=list(types)).astype(dtypes)
 
 
 def _read_table(run_dir: str | Path, sql: str, types: dict[str, type], key: tuple[str, ...], params: tuple = ()) -> pd.DataFrame:

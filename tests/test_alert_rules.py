@@ -90,14 +90,14 @@ def test_rules_are_the_shipped_alerts_with_severity_and_annotations():
     assert by_name["KeelStraggler"]["for"] == "10m"
     # The rules of thumb.
     assert "keel_mfu_ratio < 0.3\n" in by_name["KeelLowMFU"]["expr"] + "\n"
-    assert "keel_comm_share_ratio > 0.3\n" in by_name["KeelHighCommShare"]["expr"] + "\n"
+    assert "keel_comm_share_max_ratio > 0.3\n" in by_name["KeelHighCommShare"]["expr"] + "\n"
     assert "<= 0.95" in by_name["KeelThroughputDrop"]["expr"]
     # A straggler is judged by busy time within its pipeline stage: step times are equal in synchronous training.
     assert "< 0.75" in by_name["KeelStraggler"]["expr"] and "keel_rank_busy_seconds[10m]" in by_name["KeelStraggler"]["expr"]
     assert "keel_rank_step_duration_seconds" not in by_name["KeelStraggler"]["expr"]
     assert "on (run_id, stage)" in by_name["KeelStraggler"]["expr"]
     stalled = by_name["KeelTrainingStalled"]["expr"]
-    assert re.search(r"10 \*.*quantile_over_time\(0\.5, keel_rank_step_duration_seconds\[30m\]\)", stalled)
+    assert re.search(r"10 \*.*quantile_over_time\(0\.5, keel_last_step_duration_seconds\[30m\]\)", stalled)
     assert "unless on (run_id) (max by (run_id) (keel_run_ended) == 1)" in stalled
 
 
@@ -239,7 +239,9 @@ def _exposition(run_id: str, loss: str) -> str:
         f'keel_tokens_per_second{{run_id="{run_id}"}} 12000',
         f'keel_mfu_ratio{{run_id="{run_id}"}} 0.42',
         f'keel_comm_share_ratio{{run_id="{run_id}"}} 0.12',
+        f'keel_comm_share_max_ratio{{run_id="{run_id}"}} 0.13',
         f'keel_last_step_timestamp_seconds{{run_id="{run_id}"}} 4102444800',  # in the future: never stalled
+        f'keel_last_step_duration_seconds{{run_id="{run_id}"}} 0.52',
         f'keel_rank_step_duration_seconds{{run_id="{run_id}",rank="0"}} 0.5',
         f'keel_rank_step_duration_seconds{{run_id="{run_id}",rank="1"}} 0.52',
         f'keel_rank_busy_seconds{{run_id="{run_id}",rank="0",stage="0"}} 0.41',

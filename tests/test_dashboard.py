@@ -215,8 +215,11 @@ def test_run_page_of_a_hang_and_restart_marks_both_and_covers_every_rank(drill_r
     assert sorted(markers.step) == sorted(marked.step.astype(int)) and {"hang", "restart"} <= set(markers.kind)
     cells, _ = _layers(charts["step time (s)"], "first_step")
     assert sorted(set(cells["rank"])) == list(range(8))
-    for _, rows in cells.groupby("rank"):  # every rank, every step of the run
-        assert rows.first_step.min() == 1 and rows.last_step.max() == 16 and rows.rows.sum() >= 16
+    # Every rank, on every step whose per-rank rows were kept (the sampled ones, every attempt's).
+    sampled = read_steps(drill_runs / "hang").comm_share_max.notna().sum()
+    assert sampled >= 2
+    for _, rows in cells.groupby("rank"):
+        assert rows.rows.sum() == sampled
     [memory] = charts["peak GiB by rank"]
     assert sorted(memory["rank"]) == list(range(8)) and (memory.GiB > 0).all()
 

@@ -10,7 +10,7 @@ import time
 import pytest
 from conftest import drill, keel
 
-from keel.monitor.store import read_events, read_steps
+from keel.monitor.store import read_events, read_rank_steps, read_steps
 
 TINY = ("--config", "tiny")
 # A short drill: the spike detector needs a baseline, so it may judge from step 12 on; faults hit step 22.
@@ -85,6 +85,17 @@ def test_a_straggler_is_named_in_a_dp2_drill(tmp_path):
     assert r["detected_by"] == "straggler" and ",rank=1," in r["faults"][0]
     stragglers = read_events(r["run_dir"]).query("kind == 'straggler'")
     assert set(stragglers["rank"]) == {1} and stragglers.iloc[0]["data"]["score"] < 0.75
+    # Per-rank rows on the steps whose communication was measured, and no others; every step row keeps
+    # the ranks' spread, and a measured step names its slowest ranks: rank 1 from the fault on.
+    steps, ranks = read_steps(r["run_dir"]), read_rank_steps(r["run_dir"])
+    measured = steps[steps.comm_share_max.notna()]
+    assert len(measured) >= 5 and len(ranks) == 2 * len(measured)
+    assert set(zip(ranks.step, ranks.attempt)) == set(zip(measured.step, measured.attempt))
+    assert (steps.step_time_min_s <= steps.step_time_median_s).all() and (steps.step_time_median_s <= steps.step_time_s).all()
+    straggled = measured[measured.step >= 10]
+    assert (straggled.slowest_ranks.str.split(",").str[0] == "1").all(), straggled.slowest_ranks.tolist()
+    # Rank 0 waits for it inside the collectives: the longest wait is well above the ranks' mean.
+    assert (straggled.comm_share_max > 1.5 * straggled.comm_share).all()
 
 
 def test_a_drill_without_its_recovery_fails_and_says_why(tmp_path):

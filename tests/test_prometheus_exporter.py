@@ -53,8 +53,8 @@ def test_every_vocabulary_metric_is_exported_with_run_id():
     exported = {line.split()[2]: line.split()[3] for line in text.splitlines() if line.startswith("# TYPE keel_")}
     assert exported == {
         "keel_loss": "gauge", "keel_grad_norm": "gauge", "keel_learning_rate": "gauge", "keel_tokens_per_second": "gauge",
-        "keel_mfu_ratio": "gauge", "keel_comm_share_ratio": "gauge", "keel_step": "gauge", "keel_attempt": "gauge",
-        "keel_last_step_timestamp_seconds": "gauge", "keel_memory_peak_bytes": "gauge", "keel_rank_step_duration_seconds": "gauge",
+        "keel_mfu_ratio": "gauge", "keel_comm_share_ratio": "gauge", "keel_comm_share_max_ratio": "gauge", "keel_step": "gauge", "keel_attempt": "gauge",
+        "keel_last_step_timestamp_seconds": "gauge", "keel_last_step_duration_seconds": "gauge", "keel_memory_peak_bytes": "gauge", "keel_rank_step_duration_seconds": "gauge",
         "keel_rank_busy_seconds": "gauge", "keel_run_ended": "gauge", "keel_step_duration_seconds": "histogram", "keel_nonfinite_steps_total": "counter", "keel_loss_spikes_total": "counter",
         "keel_rollbacks_total": "counter", "keel_data_skips_total": "counter", "keel_checkpoints_total": "counter",
         "keel_checkpoints_corrupt_total": "counter", "keel_hangs_total": "counter", "keel_oom_total": "counter",

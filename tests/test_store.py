@@ -6,9 +6,11 @@ import io
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,7 @@ import pandas as pd
 import pytest
 
 from keel.monitor import metrics_cli
+from keel.monitor.run_dir import STORE_FILE
 from keel.monitor.store import (
     RANK_COLUMNS,
     STEP_COLUMNS,
@@ -44,7 +47,11 @@ def full_step(step: int, attempt: int = 0, **values) -> dict:
         "tokens_per_s": 12345.5,
         "mfu": 0.41,
         "comm_share": 0.125,
+        "comm_share_max": 0.2,
         "step_time_s": 0.25,
+        "step_time_median_s": 0.24,
+        "step_time_min_s": 0.23,
+        "slowest_ranks": "1,0",
         "data_time_s": 0.01,
         "mem_peak_bytes": 3 * 2**30,
         "skipped": 0,
@@ -92,6 +99,23 @@ def test_steps_rank_rows_events_and_meta_round_trip(tmp_path):
     assert saved["time"] > 1_600_000_000  # defaults to now
 
     assert read_meta(tmp_path) == {"run_id": "run-1", "config": config}
+
+
+def test_a_store_of_an_earlier_keel_is_read_and_continued(tmp_path):
+    """A run resumed after an upgrade: the store lacks the columns added since (the ranks' spread)."""
+    old_columns = ("step", "attempt", "time", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "mfu", "comm_share",
+                   "step_time_s", "data_time_s", "mem_peak_bytes", "skipped")  # fmt: skip
+    with closing(sqlite3.connect(tmp_path / STORE_FILE)) as conn, conn:
+        conn.execute(f"CREATE TABLE steps ({', '.join(old_columns)}, PRIMARY KEY (step, attempt))")
+        conn.execute(f"INSERT INTO steps VALUES ({', '.join('?' * len(old_columns))})", [full_step(1)[c] for c in old_columns])
+    before = read_steps(tmp_path)
+    assert tuple(before.columns) == STEP_COLUMNS and before.slowest_ranks.isna().all() and before.step_time_min_s.isna().all()
+    with RunStore(tmp_path) as store:
+        store.write_step(full_step(2))
+    steps = read_steps(tmp_path)
+    assert tuple(steps.columns) == STEP_COLUMNS
+    assert steps.iloc[1].to_dict() == full_step(2)
+    assert steps.iloc[0].loss == full_step(1)["loss"] and pd.isna(steps.iloc[0].comm_share_max)
 
 
 def test_rewriting_a_step_replaces_it(tmp_path):

@@ -31,6 +31,7 @@ PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]  # torch.distribu
 DataParallelMode = Literal["zero3", "zero2", "replicate"]
 TrainingDtype = Literal["auto", "fp32", "bf16"]
 ActivationCheckpointing = Literal["none", "selective", "full"]  # per block: see keel.trainer.activation_checkpoint
+RankRows = Literal["sampled", "every_step"]  # which steps keep a row per rank in the run store
 
 
 class ConfigError(ValueError):
@@ -149,6 +150,9 @@ class ParallelConfig:
 class MetricsConfig:
     log_every: int = 1  # console progress line
     comm_sample_every: int = 10  # profile one step in this many to measure comm_share
+    # Per-rank rows of the run store: on those sampled steps only, or on every step (a small job whose
+    # rank x step heatmaps should show every step). Every step row keeps the ranks' spread either way.
+    rank_rows: RankRows = "sampled"
     # MFU's peak per device, in TFLOP/s; 0: the data-sheet peak of a known GPU, a matmul calibration on
     # CPU. Set it for a GPU the table does not know, or to compare MFU across CPU runs (the calibration
     # varies with the machine's load).

@@ -1,5 +1,12 @@
 """Per-step metrics: each rank's own numbers, exchanged in one all-gather, turned into the step row
-and the per-rank rows of the run store (written by rank 0) and the console progress line."""
+(with the ranks' spread: fastest, median and slowest step time; on steps whose communication was
+measured, the slowest few ranks by busy time), the per-rank rows of the run store (written by rank 0)
+and the console progress line.
+
+Per-rank rows are kept on the sampled steps only (those whose communication is measured, one in
+`metrics.comm_sample_every`), unless `metrics.rank_rows = "every_step"`: at 16,384 ranks a row per rank
+and step would be 1.6 billion rows per 100k steps. The straggler detector needs no more, since only a
+measured step tells a rank's own work from its waiting for the others (see keel.monitor.stragglers)."""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from keel.monitor.recorder import RunRecorder
+from keel.monitor.store import SLOWEST_RANKS
 from keel.trainer.progress import ProgressLine
 
 
@@ -30,6 +38,31 @@ def gather_rows(row: list[float], device: torch.device, world: int) -> torch.Ten
     return out.view(world, len(row)).cpu()
 
 
+def slowest_ranks(busy_s: torch.Tensor, k: int = SLOWEST_RANKS) -> str:
+    """The k ranks with the longest busy time (step minus exposed communication), slowest first, as
+    "5,0,3" (ties: the lower rank first); a rank that measured none (NaN) comes last. Busy time, not step
+    time: the others wait for a slow rank inside the collectives, so every rank's step takes as long."""
+    order = torch.argsort(-torch.nan_to_num(busy_s, nan=-math.inf), stable=True)[:k]
+    return ",".join(str(r) for r in order.tolist())
+
+
+def rank_rows(step: int, attempt: int, step_times, comm_times, data_times, mems) -> list[dict]:
+    """The run store's per-rank rows of one step from the gathered columns (comm time NaN: not measured)."""
+    rows = zip(step_times.tolist(), comm_times.tolist(), data_times.tolist(), mems.tolist())
+    return [
+        {
+            "step": step,
+            "attempt": attempt,
+            "rank": rank,
+            "step_time_s": step_s,
+            "comm_time_s": None if math.isnan(comm_s) else comm_s,
+            "data_time_s": data_s,
+            "mem_peak_bytes": int(mem),
+        }
+        for rank, (step_s, comm_s, data_s, mem) in enumerate(rows)
+    ]
+
+
 class StepReporter:
     """Measures step time on this rank, agrees the step's metrics with all ranks, records them."""
 
@@ -42,10 +75,12 @@ class StepReporter:
         peak_flops_total: float,
         recorder: RunRecorder | None,
         progress: ProgressLine | None,
+        rank_rows_every_step: bool = False,
     ):
         self.device, self.world = device, world
         self.tokens_per_step, self.flops_per_token, self.peak_flops_total = tokens_per_step, flops_per_token, peak_flops_total
         self.recorder, self.progress = recorder, progress
+        self.rank_rows_every_step = rank_rows_every_step
         self.last_comm_share: float | None = 0.0 if world == 1 else None
         self.step_end = time.perf_counter()
         self.busy_s: list[float] = []
@@ -65,10 +100,12 @@ class StepReporter:
         comm_time: float | None,
         faults_fired: int = 0,
         skipped: bool = False,
+        sampled: bool = False,
     ) -> tuple[dict, list[int]]:
         """Returns the agreed step row and the ranks that injected a fault this step (the same on every
-        rank). `loss` is None on pipeline ranks without the last stage; `comm_time` None when not measured.
-        Also sets `busy_s`: per rank, step time minus communication time (NaN where not measured)."""
+        rank). `loss` is None on pipeline ranks without the last stage; `comm_time` None when not measured;
+        `sampled`: a step whose per-rank rows are kept. Where communication was measured, also sets
+        `busy_s`: per rank, step time minus communication time (NaN for a rank that measured none)."""
         now = time.perf_counter()
         step_time, self.step_end = now - self.step_end, now
         mine = [
@@ -85,10 +122,13 @@ class StepReporter:
         slowest = float(step_times.max())  # a synchronous step is as slow as its slowest rank
         tokens_per_s = self.tokens_per_step / slowest
         mfu = tokens_per_s * self.flops_per_token / self.peak_flops_total
-        comm_share = self.last_comm_share if self.world == 1 else None
+        comm_share = comm_share_max = self.last_comm_share if self.world == 1 else None
+        named = None
         if comm_time is not None:
             comm_share = self.last_comm_share = float(comm_times.mean()) / slowest
-        self.busy_s = (step_times - comm_times).tolist()
+            comm_share_max = float(comm_times.max()) / slowest
+            busy = step_times - comm_times
+            self.busy_s, named = busy.tolist(), slowest_ranks(busy)
         row = {
             # The latest clock of all ranks: a time every rank agrees on, so time-based decisions match.
             "step": step,
@@ -101,25 +141,18 @@ class StepReporter:
             "tokens_per_s": tokens_per_s,
             "mfu": mfu,
             "comm_share": comm_share,
+            "comm_share_max": comm_share_max,
             "step_time_s": slowest,
+            "step_time_median_s": float(step_times.quantile(0.5)),
+            "step_time_min_s": float(step_times.min()),
+            "slowest_ranks": named,
             "data_time_s": float(data_times.max()),
             "mem_peak_bytes": int(mems.max()),
             "skipped": int(skipped),
         }
         if self.recorder is not None:
-            rank_rows = [
-                {
-                    "step": step,
-                    "attempt": attempt,
-                    "rank": r,
-                    "step_time_s": float(step_times[r]),
-                    "comm_time_s": None if math.isnan(comm_times[r]) else float(comm_times[r]),
-                    "data_time_s": float(data_times[r]),
-                    "mem_peak_bytes": int(mems[r]),
-                }
-                for r in range(self.world)
-            ]
-            self.recorder.step(row, rank_rows)
+            keep_ranks = sampled or comm_time is not None or self.rank_rows_every_step
+            self.recorder.step(row, rank_rows(step, attempt, step_times, comm_times, data_times, mems) if keep_ranks else [])
         if self.progress is not None:
             self.progress.update(step, row["loss"], tokens_per_s, mfu, self.last_comm_share, slowest)
-        return row, [r for r in range(self.world) if faults[r] > 0]
+        return row, torch.nonzero(faults > 0).flatten().tolist()

@@ -83,7 +83,10 @@ class Trainer:
         if world > 1:
             exposed_comm.warm_up_profiler(device.type == "cuda")
         tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_len
-        self.reporter = StepReporter(device, world, tokens_per_step, self.flop_per_token, peak_total, self.recorder, self.progress)
+        self.reporter = StepReporter(
+            device, world, tokens_per_step, self.flop_per_token, peak_total, self.recorder, self.progress,
+            rank_rows_every_step=cfg.metrics.rank_rows == "every_step",
+        )  # fmt: skip
         log.info("starting training at step %d (attempt %d)", self.step + 1, self.attempt)
         # Process-group timeouts in two phases: start-up had watchdog.startup_s; once a step has run, a
         # collective that waits past twice the floor is failed by the process group itself. The watchdog
@@ -244,7 +247,8 @@ class Trainer:
         data_time = time.perf_counter() - t0
         lr = lr_at(step, cfg.optim, cfg.training.steps) * self.guard.lr_scale(step) * self.faults.lr_scale()
         set_lr(self.optimizer, lr)
-        sample_comm = self.world > 1 and (step - 2) % cfg.metrics.comm_sample_every == 0
+        sampled = (step - 2) % cfg.metrics.comm_sample_every == 0  # per-rank rows kept; communication measured
+        sample_comm = self.world > 1 and sampled
         try:
             with exposed_comm.sampled_step(sample_comm, self.device.type == "cuda") as comm_seconds:
                 loss, grad_norm, skipped = self._compute_and_update(inputs, targets)
@@ -254,7 +258,7 @@ class Trainer:
         self.faults.end_step()
         self.faults.before_collective()
         row, fault_ranks = self.reporter.report(
-            step, self.attempt, lr, grad_norm, loss, data_time, comm_seconds(), len(self.faults.fired), skipped
+            step, self.attempt, lr, grad_norm, loss, data_time, comm_seconds(), len(self.faults.fired), skipped, sampled
         )
         self.watchdog.step_finished(row["step_time_s"])
         if not self.timeouts_tight:
