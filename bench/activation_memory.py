@@ -16,22 +16,15 @@ half of none.
 
 from __future__ import annotations
 
-import argparse
 import json
-import resource
-import statistics
 import subprocess
 import sys
-import time
+
+from memory_table import main, measure_steps
 
 MODES = ["none", "selective", "full"]
 SHAPE = {"dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 8, "ffn_dim": 768, "max_seq_len": 512}
 BATCH, SEQ = 4, 512
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 def measure(mode: str) -> dict:
@@ -50,20 +43,11 @@ def measure(mode: str) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
 
-    def step() -> float:
-        start = time.perf_counter()
+    def step() -> None:
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
-        return time.perf_counter() - start
 
-    step()  # allocates the gradients; the optimizer step allocates its state
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=False)
-    before = _rss_bytes()
-    seconds = [step()]
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    seconds += [step() for _ in range(2)]
-    return {"activation_bytes": peak - before, "step_s": statistics.median(seconds)}
+    return measure_steps(step, optimizer)
 
 
 def estimate(mode: str) -> int:
@@ -75,30 +59,14 @@ def estimate(mode: str) -> int:
     return activation_bytes(load_config("tiny", overrides))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=2, help="ABBA rounds (each mode measured twice per round)")
-    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
-    opts = p.parse_args()
-    if opts.child:
-        print(json.dumps(measure(opts.child)))
-        return
-    got = {mode: [] for mode in MODES}
-    for _ in range(opts.rounds):
-        for mode in MODES + MODES[::-1]:
-            out = subprocess.run([sys.executable, __file__, "--child", mode], capture_output=True, text=True, check=True).stdout
-            got[mode].append(json.loads(out.strip().splitlines()[-1]))
-    print(f"{'mode':<10} | {'activations MiB, median (min-max)':>34} | {'estimate MiB':>12} | {'step s, median (min-max)':>26} | target")
-    medians = {m: statistics.median(r["activation_bytes"] for r in got[m]) for m in MODES}
-    for i, mode in enumerate(MODES):
-        mib, secs = [r["activation_bytes"] / 2**20 for r in got[mode]], [r["step_s"] for r in got[mode]]
-        kept = f"{statistics.median(mib):.1f} ({min(mib):.1f}-{max(mib):.1f})"
-        took = f"{statistics.median(secs):.3f} ({min(secs):.3f}-{max(secs):.3f})"
-        target = "" if i == 0 else f"< {MODES[i - 1]}: {'met' if medians[mode] < medians[MODES[i - 1]] else 'MISSED'}"
-        if mode == "full":
-            target += f"; <= none/2: {'met' if medians[mode] <= medians['none'] / 2 else 'MISSED'}"
-        print(f"{mode:<10} | {kept:>34} | {estimate(mode) / 2**20:>12.1f} | {took:>26} | {target}")
+def _full_at_most_half(mode: str, medians: dict) -> str:
+    return f"; <= none/2: {'met' if medians['full'] <= medians['none'] / 2 else 'MISSED'}" if mode == "full" else ""
+
+
+def _child(mode: str) -> str:
+    out = subprocess.run([sys.executable, __file__, "--child", mode], capture_output=True, text=True, check=True).stdout
+    return out.strip().splitlines()[-1]
 
 
 if __name__ == "__main__":
-    main()
+    main(__doc__, MODES, measure, lambda mode: json.loads(_child(mode)), estimate, _full_at_most_half)

@@ -258,14 +258,21 @@ def activation_bytes(cfg: JobConfig) -> int:
     `selective` drops the attention term (s·b·d·(10 + 24/t)), `full` keeps each layer's input (2·s·b·d)
     and holds one layer's whole activations while it recomputes it. A pipeline's first stage holds
     min(micro-batches, pp) micro-batches under 1F1B (interleaved counted alike) and all of them under
-    GPipe; plus the logits and their gradient."""
+    GPipe; plus the logits and their gradient. Sequence parallelism splits the 10 (norms, residual,
+    dropout: s·b·d·34/t with it, the paper's eq. 5), and the loss parallel keeps 1/t of the logits."""
     par, tr, args = cfg.parallel, cfg.training, model_args(cfg)
     s, b, d, h, t = cfg.data.seq_len, cfg.microbatch_rows, args.dim, args.n_heads, par.tp
-    whole_layer = 2 * s * b * d * (10 + 24 / t + 5 * h * s / (d * t))
-    kept_per_layer = {"none": whole_layer, "selective": 2 * s * b * d * (10 + 24 / t), "full": 2 * 2 * s * b * d}
+    outside = 10 / t if par.sequence_parallel else 10  # the activations between the tensor-parallel matmuls
+    whole_layer = 2 * s * b * d * (outside + 24 / t + 5 * h * s / (d * t))
+    kept_per_layer = {
+        "none": whole_layer,
+        "selective": 2 * s * b * d * (outside + 24 / t),
+        "full": 2 * 2 * s * b * d / (t if par.sequence_parallel else 1),
+    }
     recomputing = whole_layer if tr.activation_checkpointing == "full" else 0
     in_flight = 1 if par.pp == 1 else tr.microbatches if par.pp_schedule == "GPipe" else min(tr.microbatches, par.pp)
-    logits = 2 * 4 * s * b * padded_vocab_size(args.vocab_size, t)  # gathered padded, before the cut to the real vocabulary
+    # Gathered and padded, before the cut to the real vocabulary; each rank's own columns under the loss parallel.
+    logits = 2 * 4 * s * b * padded_vocab_size(args.vocab_size, t) / (t if par.loss_parallel else 1)
     return int(kept_per_layer[tr.activation_checkpointing] * args.n_layers / par.pp * in_flight + recomputing + logits)
 
 

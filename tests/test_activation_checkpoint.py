@@ -65,6 +65,18 @@ def test_preflight_counts_less_activation_memory_for_more_recomputation():
     assert kept["none"] > kept["selective"] > kept["full"] > 0
 
 
+def test_preflight_counts_the_activations_sequence_and_loss_parallelism_split():
+    def estimate(**par) -> int:
+        return activation_bytes(load_config("small", {"parallel.tp": 2, **{f"parallel.{k}": v for k, v in par.items()}}))
+
+    plain, sequence, both = estimate(), estimate(sequence_parallel=True), estimate(sequence_parallel=True, loss_parallel=True)
+    assert plain > sequence > both > 0
+    # At tp 1 there is nothing to split: the levers change nothing.
+    tp1 = {"parallel.tp": 1, "parallel.pp": 1}
+    levers = {"parallel.sequence_parallel": True, "parallel.loss_parallel": True}
+    assert activation_bytes(load_config("small", tp1 | levers)) == activation_bytes(load_config("small", tp1))
+
+
 def test_an_unknown_mode_is_one_line_naming_the_choices():
     with pytest.raises(ConfigError) as e:
         load_config("tiny", {"training.activation_checkpointing": "some"})

@@ -21,6 +21,10 @@ CASES = {
         ["model.n_layers=4", "8 pipeline stages"],
     ),
     "heads not divisible by tp": (["--tp", "3"], ["parallel.tp=3", "model.n_heads=4", "choose tp from [1, 2, 4]"]),
+    "sequence not divisible by tp": (
+        ["--tp", "2", "--parallel.sequence_parallel=true", "--data.seq_len=63"],
+        ["parallel.sequence_parallel=true", "data.seq_len=63", "divisible by 2"],
+    ),
     "hidden not divisible by tp": (
         ["--tp", "8", "--model.n_heads=8", "--model.n_kv_heads=8", "--model.ffn_dim=196"],
         ["parallel.tp=8", "model.ffn_dim=196"],

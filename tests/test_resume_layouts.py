@@ -7,7 +7,9 @@ run as closely as any one layout does (tests/test_parity.py).
 It is also the parity case of activation checkpointing under every dimension, turned on at a resume as
 a user short of memory would: `full` at tp2 and at pp2·dp2 interleaved (FSDP's hooks beside
 checkpointing's), `selective` at pp2·dp2 1F1B. Checkpointing changes no number (one process:
-tests/test_activation_checkpoint.py), so the tolerance stays the layouts' own."""
+tests/test_activation_checkpoint.py), so the tolerance stays the layouts' own. The tp2 segment also
+turns on sequence and loss parallelism: its norms' weights become tp-replicated DTensors, loaded from
+and saved for layouts where they are plain tensors."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ TINY = ["--config=tiny", "--checkpoint.interval_steps=4", "--checkpoint.async_sa
 # crash at the step after its checkpoint.
 SEGMENTS = [
     (["--dp=2"], None),
-    (["--dp=1", "--tp=2", "--training.activation_checkpointing=full"], "pp1 dp2 tp1 in the checkpoint, pp1 dp1 tp2 now"),
+    (["--dp=1", "--tp=2", "--training.activation_checkpointing=full", "--parallel.sequence_parallel=true", "--parallel.loss_parallel=true"],
+     "pp1 dp2 tp1 in the checkpoint, pp1 dp1 tp2 now"),
     (["--pp=2", "--dp=2", "--tp=1", "--parallel.pp_schedule=Interleaved1F1B", "--parallel.pp_virtual_stages=2", "--training.microbatches=4"],
      "pp1 dp1 tp2 pp_virtual_stages=1 pp_schedule=1F1B microbatches=2 in the checkpoint, "
      "pp2 dp2 tp1 pp_virtual_stages=2 pp_schedule=Interleaved1F1B microbatches=4 now"),

@@ -130,6 +130,11 @@ class ParallelConfig:
     pp_schedule: PipelineSchedule = "1F1B"
     pp_virtual_stages: int = 1  # v stages per pp rank; more than 1 only with Interleaved1F1B
     dp_mode: DataParallelMode = "zero3"  # zero3 | zero2: FSDP2 (ZeRO-3 | ZeRO-2); replicate: gradients all-reduced
+    # Under tp > 1 (ignored at tp 1, so a job resumed on fewer ranks keeps its config): the norms and the
+    # residual stream split by sequence over the tp ranks (Korthikanti et al. 2022), and the loss computed
+    # on each rank's vocabulary columns, never gathering the whole logits (TorchTitan's loss parallel).
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
 
     @property
     def n_stages(self) -> int:
@@ -451,6 +456,11 @@ def _validate_model_split(cfg: JobConfig) -> None:
         value = getattr(args, name)
         if value % par.tp:
             raise ConfigError(f"parallel.tp={par.tp}: model.{name}={value} is not divisible by tp; choose tp from {_divisors(value)}")
+    if par.sequence_parallel and par.tp > 1 and cfg.data.seq_len % par.tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel=true splits data.seq_len={cfg.data.seq_len} over tp={par.tp} ranks; "
+            f"choose a seq_len divisible by {par.tp}, or set --parallel.sequence_parallel=false"
+        )
     if args.tie_embeddings and par.n_stages > 1:
         raise ConfigError(
             f"model.tie_embeddings=true shares one matrix between the embedding (first pipeline stage) and the head (last), "

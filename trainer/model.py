@@ -58,11 +58,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        # -1 heads, not n_heads: under tensor parallelism each rank holds n_heads / tp of them.
-        q = apply_rotary(self.wq(x).view(b, t, -1, self.head_dim), cos, sin)
-        k = apply_rotary(self.wk(x).view(b, t, -1, self.head_dim), cos, sin)
-        v = self.wv(x).view(b, t, -1, self.head_dim)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        # The sequence length after the projections: under sequence parallelism x holds seq / tp positions
+        # and the projections gather the whole sequence. -1 heads, not n_heads: under tensor parallelism
+        # each rank holds n_heads / tp of them.
+        b, t = q.shape[:2]
+        cos, sin = cos[:t], sin[:t]
+        q = apply_rotary(q.view(b, t, -1, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(b, t, -1, self.head_dim), cos, sin)
+        v = v.view(b, t, -1, self.head_dim)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
@@ -112,6 +116,9 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, self.padded_vocab, bias=False) if last else None
         if args.tie_embeddings:
             self.tie_head()
+        # Set by the loss parallel (keel.trainer.parallel): the head's padding columns come out at -inf,
+        # split over the ranks, rather than being cut off here.
+        self.padding_masked = False
         cos, sin = rotary_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -119,10 +126,8 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids [batch, seq] on the first stage, hidden states [batch, seq, dim] after it."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        t = h.shape[1]
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, self.rope_cos, self.rope_sin)
         if self.norm is not None:
             h = self.real_vocab_logits(self.output(self.norm(h)))
         return h
@@ -136,7 +141,7 @@ class Transformer(nn.Module):
         """The logits of the real vocabulary: the padded columns cut off, so the softmax and the loss are the
         unpadded model's. A copy, not a slice: a view as an FSDP2 module's output would lose FSDP's pre-backward
         hook to any in-place op on it (torch warns so). The gradient of the cut columns is zero."""
-        if logits.shape[-1] == self.args.vocab_size:
+        if logits.shape[-1] == self.args.vocab_size or self.padding_masked:
             return logits
         return logits[..., : self.args.vocab_size].contiguous()
 

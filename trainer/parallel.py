@@ -15,8 +15,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import loss_parallel as tp_loss_parallel
 
 from keel.trainer.activation_checkpoint import apply_activation_checkpointing
 from keel.trainer.config import DataParallelMode, JobConfig
@@ -113,32 +114,74 @@ def _local_slice(value: torch.Tensor, p: DTensor) -> torch.Tensor:
     return value
 
 
-def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
     """Megatron-style: q/k/v and gate/up split by output column, attention out and down by input row,
     so each block needs one all-reduce forward and one backward. The embedding is split by vocabulary
-    rows and the head by vocabulary columns, gathered back so the loss sees whole logits; both are built
-    padded to a multiple of 64 x tp rows (model_args.padded_vocab_size), so every rank holds an equal slice."""
+    rows and the head by vocabulary columns; both are built padded to a multiple of 64 x tp rows
+    (model_args.padded_vocab_size), so every rank holds an equal slice.
+
+    sequence_parallel: between the blocks' matmuls the activations (the residual stream, the norms) are
+    split by sequence position over the tp ranks; each all-reduce becomes a reduce-scatter into that
+    split and an all-gather out of it, the same bytes, and the activations outside attention and the MLP
+    take 1/tp of the memory (Korthikanti et al. 2022, section 4.2.2). loss_parallel: the loss is computed
+    on each rank's vocabulary columns (torch's loss_parallel: a distributed log-softmax), never gathering
+    the whole logits, which at a 128k vocabulary are the largest activation of all."""
+    rows = Shard(1) if sequence_parallel else Replicate()  # how activations between the matmuls are laid out
     plan = {}
     if model.tok_embeddings is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
-    if model.output is not None:
-        plan["output"] = ColwiseParallel()  # each rank's vocabulary columns, gathered below
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=rows)
     for i in model.layers:
+        if sequence_parallel:
+            for norm in ("attention_norm", "ffn_norm"):
+                plan[f"layers.{i}.{norm}"] = SequenceParallel()
+            # One all-gather of the sequence per sub-block, before q/k/v (gate/up) read it.
+            plan[f"layers.{i}.attention"] = PrepareModuleInput(
+                input_layouts=(rows, None, None), desired_input_layouts=(Replicate(), None, None)
+            )
+            plan[f"layers.{i}.feed_forward"] = PrepareModuleInput(input_layouts=(rows,), desired_input_layouts=(Replicate(),))
         for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
             plan[f"layers.{i}.{name}"] = ColwiseParallel()
-        plan[f"layers.{i}.attention.wo"] = RowwiseParallel()
-        plan[f"layers.{i}.feed_forward.w2"] = RowwiseParallel()
+        plan[f"layers.{i}.attention.wo"] = RowwiseParallel(output_layouts=rows)
+        plan[f"layers.{i}.feed_forward.w2"] = RowwiseParallel(output_layouts=rows)
+    if model.norm is not None and sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        # Each rank's vocabulary columns: kept as a DTensor for the loss parallel, else gathered below.
+        plan["output"] = ColwiseParallel(input_layouts=rows, use_local_output=not loss_parallel)
     parallelize_module(model, tp_mesh, plan)
     if model.args.tie_embeddings:
         # The plan gave the embedding and the head a DTensor each; both are Shard(0) over the same rows,
         # so the head can take the embedding's back and the matrix stays one parameter.
         model.tie_head()
-    if model.output is not None:
-        # Gathered by Keel rather than by the plan (output_layouts=Replicate): DTensor's to_local() returns
-        # a view, and a view as an FSDP2 module's output would lose FSDP's pre-backward hook to any in-place
-        # op on it (torch warns so on every rank). The gather returns a new tensor.
-        group = tp_mesh.get_group()
-        model.output.register_forward_hook(lambda _module, _inputs, local: _GatherVocab.apply(local, group))
+    if model.output is None:
+        return
+    if loss_parallel:
+        model.output.register_forward_hook(lambda _module, _inputs, logits: _mask_padding(logits, model.args.vocab_size))
+        model.padding_masked = True
+        return
+    # Gathered by Keel rather than by the plan (output_layouts=Replicate): DTensor's to_local() returns
+    # a view, and a view as an FSDP2 module's output would lose FSDP's pre-backward hook to any in-place
+    # op on it (torch warns so on every rank). The gather returns a new tensor.
+    group = tp_mesh.get_group()
+    model.output.register_forward_hook(lambda _module, _inputs, local: _GatherVocab.apply(local, group))
+
+
+def _mask_padding(logits: DTensor, vocab_size: int) -> DTensor:
+    """The vocabulary-parallel logits with the padding columns at -inf, so that the softmax over the padded
+    vocabulary is the unpadded model's (their probability is 0, and so is their gradient). Each rank masks
+    its own columns: nothing is gathered."""
+    local = logits.to_local()
+    width = local.shape[-1]
+    first = logits.device_mesh.get_local_rank() * width  # Shard(-1): rank r holds columns [r*width, (r+1)*width)
+    padding = torch.arange(first, first + width, device=local.device) >= vocab_size
+    masked = local.masked_fill(padding, float("-inf"))
+    return DTensor.from_local(masked, logits.device_mesh, logits.placements, run_check=False)
+
+
+def loss_context(cfg: JobConfig, layout: Layout) -> AbstractContextManager:
+    """The context a step's forward and backward run in: torch's loss_parallel when the loss is computed on
+    the vocabulary-parallel logits (its log-softmax and its backward both need it)."""
+    return tp_loss_parallel() if cfg.parallel.loss_parallel and layout.tp > 1 else nullcontext()
 
 
 class _GatherVocab(torch.autograd.Function):
@@ -190,7 +233,7 @@ def build_model_parts(cfg: JobConfig, args: ModelArgs, layout: Layout, device: t
         padding = sum(p.numel() for p in model.parameters()) - model.real_parameter_count()
         log.info("pipeline stage %d built: %d parameters (+%d of vocabulary padding)", stage, model.real_parameter_count(), padding)
         if layout.tp > 1:
-            apply_tensor_parallel(model, layout.mesh["tp"])
+            apply_tensor_parallel(model, layout.mesh["tp"], cfg.parallel.sequence_parallel, cfg.parallel.loss_parallel)
         apply_activation_checkpointing(model, cfg.training.activation_checkpointing)
         if cfg.training.activation_checkpointing != "none":
             log.info(
@@ -262,6 +305,7 @@ def global_grad_norm(parts: list[Transformer], layout: Layout, local_loss_finite
             g = p.grad
             shards = 1
             if isinstance(g, DTensor):
+                g = _reduced(g)
                 shards = _shard_count(g)
                 g = g.to_local()
             total += g.detach().double().pow(2).sum() / (holders // shards)
@@ -270,6 +314,15 @@ def global_grad_norm(parts: list[Transformer], layout: Layout, local_loss_finite
     if layout.mesh is not None:
         dist.all_reduce(total)
     return total.sqrt()
+
+
+def _reduced(grad: DTensor) -> DTensor:
+    """The gradient with its pending sums done. Under sequence parallelism a norm's weight is replicated
+    over tp, but each rank's gradient covers its own sequence positions only: DTensor leaves it Partial
+    and sums it where it is used (the optimizer's update), so its squares must be taken after the sum."""
+    if not any(placement.is_partial() for placement in grad.placements):
+        return grad
+    return grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
 
 
 def _shard_count(t: DTensor) -> int:
