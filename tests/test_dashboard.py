@@ -228,8 +228,18 @@ def test_run_page_rings_the_straggler_the_detector_named(drill_runs, monkeypatch
     app = _run_page(drill_runs, "late_collective", monkeypatch)
     named = read_events(drill_runs / "late_collective").query("kind == 'straggler'")
     assert 7 in set(named["rank"])  # the slow rank; a busy machine can get others named too
-    _, rings = _layers(_charts(app)["communication time (s)"], "first_step")
+    charts = _charts(app)
+    _, rings = _layers(charts["communication time (s)"], "first_step")
     assert sorted(zip(rings.step, rings["rank"])) == sorted(zip(named.step.astype(int), named["rank"].astype(int)))
+    # From the step rows alone: how often each rank was among a measured step's slowest, the late rank
+    # on every measured step once it was late (it waits before each of its collectives: its own time).
+    [slowest] = charts["steps among the slowest"]
+    steps = read_steps(drill_runs / "late_collective", effective=True)
+    named_first = steps.slowest_ranks.dropna().str.split(",").explode().value_counts()
+    assert dict(zip(slowest["rank"], slowest.steps)) == {r: n for r, n in named_first.items() if r in set(slowest["rank"])}
+    late = steps[(steps.step >= named.step.min()) & steps.slowest_ranks.notna()]
+    assert len(late) >= 2 and (late.slowest_ranks.str.split(",").str[0] == "7").all()
+    assert dict(zip(slowest["rank"], slowest.steps))["7"] >= len(late)
 
 
 def _page(render: str, runs_env: Path, monkeypatch, params: dict | None = None, actions: bool = False) -> AppTest:
