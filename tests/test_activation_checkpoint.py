@@ -1,6 +1,6 @@
 """Activation checkpointing (training.activation_checkpointing) recomputes instead of keeping: the
 numbers must not change. Here in one process, the three modes trained side by side; tests/test_parity.py
-runs `full` under pp, dp (FSDP) and tp at once. What it saves is measured in bench/activation_memory.py."""
+runs every layout compiled with `full`. What it saves is measured in bench/activation_memory.py."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from keel.chaos.preflight_worker import activation_bytes
 from keel.trainer.activation_checkpoint import apply_activation_checkpointing
+from keel.trainer.compile_blocks import apply_compile
 from keel.trainer.config import ConfigError, load_config
 from keel.trainer.model import Transformer
 from keel.trainer.model_args import ModelArgs
@@ -50,12 +51,18 @@ def test_checkpointing_changes_no_number(mode):
         assert torch.equal(g, h)
 
 
-def test_checkpointing_keeps_every_parameter_name():
-    """Names seed the initial weights and key the checkpoints: a wrapper module would change them."""
-    plain, checkpointed = Transformer(ARGS), Transformer(ARGS)
-    apply_activation_checkpointing(checkpointed, "full")
-    assert [n for n, _ in checkpointed.named_parameters()] == [n for n, _ in plain.named_parameters()]
-    assert list(checkpointed.state_dict()) == list(plain.state_dict())
+@pytest.mark.parametrize("levers", [["full"], ["selective", "compile"], ["compile", "full"]])
+def test_checkpointing_and_compile_keep_every_parameter_name(levers):
+    """Names seed the initial weights and key the checkpoints: a wrapper module (checkpoint_wrapper's, or
+    torch.compile's OptimizedModule) would change them."""
+    plain, changed = Transformer(ARGS), Transformer(ARGS)
+    for lever in levers:
+        if lever == "compile":
+            apply_compile(changed)
+        else:
+            apply_activation_checkpointing(changed, lever)
+    assert [n for n, _ in changed.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert list(changed.state_dict()) == list(plain.state_dict())
 
 
 def test_preflight_counts_less_activation_memory_for_more_recomputation():

@@ -57,16 +57,43 @@ MEASURED = {
 }  # fmt: skip
 
 
+# The levers a large run pulls, on top of each layout. Compiled, the blocks run inductor's fused kernels,
+# which sum in their own order; activation checkpointing alone changes no number
+# (tests/test_activation_checkpoint.py). Every layout runs compiled with `full` checkpointing, the two
+# levers at once; compiled alone and `selective` under compile (a different graph: the checkpoint policy
+# inside it) run at one layout each. The single-process run they follow is eager.
+COMPILED = ("--training.compile=true", "--training.activation_checkpointing=full")
+LEVER_CASES = {f"{name}-compiled-full": [*args, *COMPILED] for name, args in LAYOUTS.items()} | {
+    "tp2-compiled": ["--tp", "2", "--training.compile=true"],
+    "pp2-dp2-tp2-sequence-loss-parallel-compiled-selective": [
+        *LAYOUTS["pp2-dp2-tp2"],
+        "--parallel.sequence_parallel=true",
+        "--parallel.loss_parallel=true",
+        "--training.compile=true",
+        "--training.activation_checkpointing=selective",
+    ],
+}
+# As MEASURED, on 2026-12-02.
+MEASURED_LEVERS = {
+    "dp2-compiled-full": (1.07e-07, 6.35e-07), "tp2-compiled-full": (9.94e-08, 4.15e-07), "pp2-1F1B-compiled-full": (9.94e-08, 2.84e-07),
+    "pp2-interleaved-v2-compiled-full": (1.29e-07, 7.19e-07), "pp2-gpipe-compiled-full": (9.94e-08, 2.84e-07), "dp2-zero2-compiled-full": (1.07e-07, 6.35e-07),
+    "dp2-tp2-replicate-compiled-full": (1.07e-07, 3.41e-07), "tp2-sequence-loss-parallel-compiled-full": (1.29e-07, 7.85e-07), "pp2-dp2-tp2-compiled-full": (1.07e-07, 3.41e-07),
+    "pp2-dp2-tp2-interleaved-v2-compiled-full": (1.14e-07, 1.01e-07), "pp2-dp2-tp2-zero2-compiled-full": (1.07e-07, 3.41e-07), "pp2-dp2-replicate-compiled-full": (1.07e-07, 6.35e-07),
+    "pp2-dp2-gpipe-compiled-full": (1.07e-07, 6.35e-07), "pp3-uneven-compiled-full": (1.29e-07, 7.19e-07), "tp2-compiled": (9.94e-08, 4.15e-07),
+    "pp2-dp2-tp2-sequence-loss-parallel-compiled-selective": (9.94e-08, 4.2e-07),
+}  # fmt: skip
+
+
 def tolerance(measured: float) -> float:
     return max(10 * measured, 1e-12)
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("name", [*LAYOUTS, *LEVER_CASES])
 def test_layout_matches_single_process(name, tmp_path, reference_run):
-    run = train(tmp_path / "run", "--config", "tiny", *LAYOUTS[name])
+    run = train(tmp_path / "run", "--config", "tiny", *(LAYOUTS | LEVER_CASES)[name])
     ref = reference_run
     assert list(run.step) == list(ref.step) == list(range(1, 21))
-    loss_rtol, grad_rtol = (tolerance(m) for m in MEASURED[name])
+    loss_rtol, grad_rtol = (tolerance(m) for m in (MEASURED | MEASURED_LEVERS)[name])
     np.testing.assert_allclose(run.loss, ref.loss, rtol=loss_rtol, atol=0, err_msg=f"{name}: loss")
     np.testing.assert_allclose(run.grad_norm, ref.grad_norm, rtol=grad_rtol, atol=0, err_msg=f"{name}: grad_norm")
     # Communication is measured on the sampled steps (2 and 12) and is never zero with two ranks.

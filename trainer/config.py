@@ -87,6 +87,7 @@ class TrainingConfig:
     seed: int = 0
     dtype: TrainingDtype = "auto"  # auto: bf16 mixed precision on CUDA, fp32 on CPU
     activation_checkpointing: ActivationCheckpointing = "none"  # recompute in the backward instead of keeping
+    compile: bool = False  # torch.compile each transformer block (inductor; its first step compiles)
 
     def validate(self) -> None:
         at_least("training.steps", self.steps, 1)

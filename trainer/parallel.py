@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from torch.distributed.tensor.parallel import loss_parallel as tp_loss_parallel
 
 from keel.trainer.activation_checkpoint import apply_activation_checkpointing
+from keel.trainer.compile_blocks import apply_compile
 from keel.trainer.config import DataParallelMode, JobConfig
 from keel.trainer.model import Transformer
 from keel.trainer.model_args import ModelArgs, padded_vocab_size, stage_layers
@@ -234,7 +235,13 @@ def build_model_parts(cfg: JobConfig, args: ModelArgs, layout: Layout, device: t
         log.info("pipeline stage %d built: %d parameters (+%d of vocabulary padding)", stage, model.real_parameter_count(), padding)
         if layout.tp > 1:
             apply_tensor_parallel(model, layout.mesh["tp"], cfg.parallel.sequence_parallel, cfg.parallel.loss_parallel)
-        apply_activation_checkpointing(model, cfg.training.activation_checkpointing)
+        full_outside = cfg.training.compile and cfg.training.activation_checkpointing == "full"
+        if not full_outside:
+            apply_activation_checkpointing(model, cfg.training.activation_checkpointing)
+        if cfg.training.compile:
+            apply_compile(model)
+        if full_outside:
+            apply_activation_checkpointing(model, cfg.training.activation_checkpointing)
         if cfg.training.activation_checkpointing != "none":
             log.info(
                 "activation checkpointing (%s) on the %d blocks of stage %d",
@@ -242,6 +249,8 @@ def build_model_parts(cfg: JobConfig, args: ModelArgs, layout: Layout, device: t
                 len(model.layers),
                 stage,
             )
+        if cfg.training.compile:
+            log.info("torch.compile on the %d blocks of stage %d", len(model.layers), stage)
         if uses_fsdp(cfg):
             apply_fsdp(model, layout.mesh["dp"], cfg.parallel.dp_mode, bf16)
         if device.type != "meta":
