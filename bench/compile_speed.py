@@ -6,9 +6,12 @@ C++ backend), and reports per mode
   later processes faster than the first);
 - step time: the next forward and backwards' median wall time, and the compiled/eager ratio;
 - activation memory: the process's peak resident memory during a forward and backward less its resident
-  memory just before, measured by the kernel (getrusage) from outside the trainer's code.
+  memory just before, measured by the kernel (getrusage) from outside the trainer's code. glibc keeps
+  freed blocks once its mmap threshold has grown, so an extra step before the measured one (the compile
+  step here) would hide the activations in the resident memory "before": the memory is measured in a
+  second process with the threshold fixed (MALLOC_MMAP_THRESHOLD_), the times in one with glibc's default.
 
-Each measurement is a fresh process, eager and compiled interleaved ABBA over the rounds. Target: the
+Each measurement is a fresh pair of processes, eager and compiled interleaved ABBA over the rounds. Target: the
 compiled step faster than the eager one under each checkpointing mode (ratio < 1).
 
     python bench/compile_speed.py --rounds 2
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -67,8 +71,13 @@ def measure(mode: str) -> dict:
 
 
 def _child(mode: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", mode], capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    def run(env: dict) -> dict:
+        cmd = [sys.executable, __file__, "--child", mode]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ | env).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    timed, sized = run({}), run({"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)})
+    return {"first_step_s": timed["first_step_s"], "step_s": timed["step_s"], "activation_bytes": sized["activation_bytes"]}
 
 
 def _spread(values: list[float], fmt: str) -> str:

@@ -17,6 +17,7 @@ commands:
   dashboard      watch runs live in the browser (keel dashboard [RUNS_DIR ...] [--host] [--port] [--read-only])
   alert-rules    write the Prometheus alerting rules with your windows and thresholds (keel alert-rules --help)
   simulate       what one rank of a large layout holds, built on meta with a fake process group (keel simulate --help)
+  estimate       GPU-hours, days and cost of a job from its parameters and tokens (keel estimate --help)
   prepare-data   make a token file from text files, as bytes or with a tokenizer (keel prepare-data --help)
 """
 
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         from keel.monitor.alert_rules import main as run
     elif command == "simulate":
         from keel.trainer.simulate import main as run
+    elif command == "estimate":
+        from keel.trainer.estimate import main as run
     elif command == "prepare-data":
         from keel.trainer.prepare_data import main as run
     else:

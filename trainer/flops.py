@@ -10,22 +10,8 @@ import warnings
 
 import torch
 
-# Dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets, in FLOP/s.
-GPU_PEAK_BF16_FLOPS = {
-    "H200": 989e12,
-    "H100 SXM": 989e12,
-    "H100 NVL": 835e12,
-    "H100 PCIe": 756e12,
-    "H100": 989e12,
-    "H20": 148e12,
-    "B200": 2250e12,
-    "GB200": 2500e12,
-    "A100": 312e12,
-    "A10G": 70e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-    "MI300X": 1307e12,
-}
+from keel.trainer.gpus import GPU_PEAK_BF16_FLOPS
+
 UNKNOWN_GPU_ASSUMED = "H100 SXM"
 
 
