@@ -14,7 +14,8 @@ import pytest
 from conftest import REPO, keel
 
 from keel.trainer.launch import parse_train_args
-from keel.trainer.model_args import MODEL_PRESETS, padded_vocab_size
+from keel.trainer.model_args import MODEL_PRESETS, model_args, padded_vocab_size
+from keel.trainer.model_states import rank_model_states
 from keel.trainer.simulate import simulate_rank
 
 # The seed table's layouts: (preset, pp, dp, tp, microbatches, global batch), and the layers each end rank holds.
@@ -24,6 +25,16 @@ LAYOUTS = {
     # 126 layers on 8 stages: the first and the last stage hold one fewer (they also hold the embedding and the head).
     "405b dp256 tp8 pp8 (16,384 GPUs)": (("405b", 8, 256, 8, 8, 2048), (15, 15)),
 }
+# Where the planner's count could slip: a tied head, interleaved stages, a replicated dp, 80 layers on 3
+# stages, and a vocabulary that dp3 splits unevenly (16,064 rows a tp rank: 5,355, 5,355, 5,354).
+OTHER_LAYOUTS = {
+    "1b tied dp4 tp2": ["--model.preset=1b", "--pp=1", "--dp=4", "--tp=2", "--training.microbatches=1", "--training.global_batch_size=8"],
+    "7b pp4 interleaved dp2 tp2": ["--model.preset=7b", "--pp=4", "--dp=2", "--tp=2", "--parallel.pp_schedule=Interleaved1F1B",
+                                   "--parallel.pp_virtual_stages=2", "--training.microbatches=8", "--training.global_batch_size=16"],
+    "70b pp3 dp2 replicate tp8": ["--model.preset=70b", "--pp=3", "--dp=2", "--tp=8", "--parallel.dp_mode=replicate",
+                                  "--training.microbatches=3", "--training.global_batch_size=6"],
+    "70b pp2 dp3 tp8": ["--model.preset=70b", "--pp=2", "--dp=3", "--tp=8", "--training.microbatches=2", "--training.global_batch_size=6"],
+}  # fmt: skip
 
 
 def _flags(preset: str, pp: int, dp: int, tp: int, microbatches: int, batch: int) -> list[str]:
@@ -42,31 +53,16 @@ def simulated() -> dict[str, list[dict]]:
         "    cfg, _ = parse_train_args(flags)\n"
         "    print(json.dumps([asdict(simulate_rank(cfg, r)) for r in (0, cfg.world_size - 1)]))"
     )
-    flags = [_flags(*layout) for layout, _ in LAYOUTS.values()]
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(flags)], capture_output=True, text=True, timeout=300)
+    flags = {name: _flags(*layout) for name, (layout, _) in LAYOUTS.items()} | OTHER_LAYOUTS
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(list(flags.values()))], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return dict(zip(LAYOUTS, map(json.loads, proc.stdout.splitlines()[-len(LAYOUTS) :])))
+    return dict(zip(flags, map(json.loads, proc.stdout.splitlines()[-len(flags) :])))
 
 
-def _chunk(rows: int, parts: int, index: int) -> int:
-    """Rows of torch.chunk(rows, parts)[index]: what FSDP2 gives each dp rank of a dimension 0 (the last ones may get fewer, or none)."""
-    per = -(-rows // parts)
-    return max(0, min(per, rows - index * per))
-
-
-def analytic_params(preset: str, pp: int, dp: int, tp: int, pp_rank: int, dp_rank: int, layers: int) -> int:
-    """A rank's parameter elements, counted from the model's shape: Megatron's split over tp (q, k, v, gate and up
-    by output row, attention out and down by input column, embedding and head by vocabulary row, norms whole),
-    then FSDP's split of each tensor's first dimension over dp."""
-    a = MODEL_PRESETS[preset]
-    d, kv, ffn, vocab = a.dim, a.n_kv_heads * a.head_dim, a.ffn_dim, padded_vocab_size(a.vocab_size, tp)
-    block = [(d // tp, d), (kv // tp, d), (kv // tp, d), (d, d // tp), (ffn // tp, d), (ffn // tp, d), (d, ffn // tp), (d, 1), (d, 1)]
-    shapes = block * layers
-    if pp_rank == 0:
-        shapes.append((vocab // tp, d))
-    if pp_rank == pp - 1:
-        shapes += [(d, 1), (vocab // tp, d)]
-    return sum(_chunk(rows, dp, dp_rank) * cols for rows, cols in shapes)
+def analytic_params(preset: str, pp: int, dp: int, tp: int, pp_rank: int, dp_rank: int, n_layers: int | None = None) -> int:
+    """A rank's parameter elements as the planner counts them from the model's shape (keel.trainer.model_states)."""
+    args = MODEL_PRESETS[preset] if n_layers is None else replace(MODEL_PRESETS[preset], n_layers=n_layers)
+    return rank_model_states(args, pp, dp, tp, pp_rank, dp_rank).params
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -77,10 +73,24 @@ def test_a_simulated_rank_holds_the_analytic_shards(name, simulated):
     assert (last["pp_rank"], last["dp_rank"], last["tp_rank"]) == (pp - 1, dp - 1, tp - 1)
     for rank, held in zip((first, last), layers):
         assert rank["layers"] == held
-        assert rank["params"] == analytic_params(preset, pp, dp, tp, rank["pp_rank"], rank["dp_rank"], held), rank
-        # fp32 weights and gradients, and AdamW's two fp32 moments: 16 bytes a parameter, all sharded alike.
-        assert rank["param_bytes"] == rank["grad_bytes"] == 4 * rank["params"]
-        assert rank["optimizer_bytes"] == 8 * rank["params"]
+        planned = rank_model_states(MODEL_PRESETS[preset], pp, dp, tp, rank["pp_rank"], rank["dp_rank"])
+        # The planner's count equals what the built rank holds, byte for byte: fp32 weights and gradients,
+        # AdamW's two fp32 moments, all sharded alike.
+        assert (rank["layers"], rank["params"]) == (planned.layers, planned.params), rank
+        assert (rank["param_bytes"], rank["grad_bytes"], rank["optimizer_bytes"]) == (
+            planned.param_bytes, planned.grad_bytes, planned.optimizer_bytes)  # fmt: skip
+        assert rank["param_bytes"] == rank["grad_bytes"] == 4 * rank["params"] and rank["optimizer_bytes"] == 8 * rank["params"]
+
+
+@pytest.mark.parametrize("name", OTHER_LAYOUTS)
+def test_the_planners_count_is_what_a_built_rank_holds(name, simulated):
+    cfg, _ = parse_train_args(OTHER_LAYOUTS[name])
+    par = cfg.parallel
+    for rank in simulated[name]:
+        planned = rank_model_states(model_args(cfg), par.pp, par.dp, par.tp, rank["pp_rank"], rank["dp_rank"], par.pp_virtual_stages,
+                                    par.dp_mode)  # fmt: skip
+        built = (rank["layers"], rank["params"], rank["param_bytes"], rank["grad_bytes"], rank["optimizer_bytes"])
+        assert built == (planned.layers, planned.params, planned.param_bytes, planned.grad_bytes, planned.optimizer_bytes), name
 
 
 def test_keel_simulate_prints_the_first_and_the_last_rank():
@@ -88,7 +98,7 @@ def test_keel_simulate_prints_the_first_and_the_last_rank():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
     assert [(r[0], r[1], r[2]) for r in rows] == [("0", "0,0,0", "32"), ("7", "0,7,0", "32")]
-    expected = f"{analytic_params('7b', 1, 8, 1, 0, 0, 32):,}"
+    expected = f"{analytic_params('7b', 1, 8, 1, 0, 0):,}"
     assert rows[0][3] == expected, proc.stdout
 
 
