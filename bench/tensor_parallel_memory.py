@@ -11,7 +11,7 @@ and report per rank
 The model is Keel's (keel.trainer.model), split by Keel's tensor-parallel plan
 (keel.trainer.parallel.apply_tensor_parallel), the loss Keel's (parallel.loss_fn under torch's
 loss_parallel where it is on). Each measurement is a fresh pair of processes (a peak is per process),
-the modes interleaved ABBA over the rounds, beside preflight's estimate (keel.chaos.preflight_worker.
+the modes interleaved ABBA over the rounds, beside preflight's estimate (keel.trainer.memory_model.
 activation_bytes). Target: each lever keeps less than the mode before it.
 
     python bench/tensor_parallel_memory.py --rounds 2
@@ -88,8 +88,8 @@ def run_pair(mode: str) -> dict:
 
 
 def estimate(mode: str) -> int:
-    from keel.chaos.preflight_worker import activation_bytes
     from keel.trainer.config import load_config
+    from keel.trainer.memory_model import activation_bytes
 
     sequence, loss_split = MODES[mode]
     overrides = {f"model.{k}": v for k, v in SHAPE.items() if k != "max_seq_len"} | {

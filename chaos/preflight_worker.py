@@ -33,7 +33,8 @@ from keel.trainer.config import JobConfig
 from keel.trainer.data import BatchSampler, open_tokens
 from keel.trainer.distributed import init_distributed
 from keel.trainer.launch import parse_train_args
-from keel.trainer.model_args import allocated_params, model_args, padded_vocab_size
+from keel.trainer.memory_model import activation_bytes, busiest_rank_state_bytes
+from keel.trainer.model_args import model_args
 from keel.trainer.optim import build_optimizer, clip_grads
 from keel.trainer.step import forward_backward
 from keel.trainer.step_metrics import gather_rows
@@ -236,46 +237,6 @@ def checkpoint_disk(run_dir: str, world: int, local_rank: int) -> Check:
 # --- d. memory -------------------------------------------------------------------------------------
 
 
-def model_state_bytes(cfg: JobConfig) -> int:
-    """fp32 parameters, gradients and AdamW's two moments (4+4+8 bytes per parameter) on one rank: split
-    by pp and tp, and over dp as the dp mode shards them (zero3: all, zero2: gradients and optimizer). The
-    vocabulary counts its padded rows: they are allocated, trained or not."""
-    par, args = cfg.parallel, model_args(cfg)
-    n = allocated_params(args, par.tp) / (par.pp * par.tp)
-    params, grads_and_adam = 4 * n, 12 * n
-    mode = par.dp_mode if par.dp > 1 else "replicate"
-    if mode == "zero3":
-        return int((params + grads_and_adam) / par.dp)
-    if mode == "zero2":
-        return int(params + grads_and_adam / par.dp)
-    return int(params + grads_and_adam)
-
-
-def activation_bytes(cfg: JobConfig) -> int:
-    """Activations kept for backward on the busiest rank, in fp32 (an upper bound under bf16). Per layer and
-    micro-batch s·b·d·(10 + 24/t + 5·h·s/(d·t)) bytes at 16 bits (Korthikanti et al. 2022, no sequence
-    parallelism), doubled for fp32. Under training.activation_checkpointing, that paper's figures too:
-    `selective` drops the attention term (s·b·d·(10 + 24/t)), `full` keeps each layer's input (2·s·b·d)
-    and holds one layer's whole activations while it recomputes it. A pipeline's first stage holds
-    min(micro-batches, pp) micro-batches under 1F1B (interleaved counted alike) and all of them under
-    GPipe; plus the logits and their gradient. Sequence parallelism splits the 10 (norms, residual,
-    dropout: s·b·d·34/t with it, the paper's eq. 5), and the loss parallel keeps 1/t of the logits."""
-    par, tr, args = cfg.parallel, cfg.training, model_args(cfg)
-    s, b, d, h, t = cfg.data.seq_len, cfg.microbatch_rows, args.dim, args.n_heads, par.tp
-    outside = 10 / t if par.sequence_parallel else 10  # the activations between the tensor-parallel matmuls
-    whole_layer = 2 * s * b * d * (outside + 24 / t + 5 * h * s / (d * t))
-    kept_per_layer = {
-        "none": whole_layer,
-        "selective": 2 * s * b * d * (outside + 24 / t),
-        "full": 2 * 2 * s * b * d / (t if par.sequence_parallel else 1),
-    }
-    recomputing = whole_layer if tr.activation_checkpointing == "full" else 0
-    in_flight = 1 if par.pp == 1 else tr.microbatches if par.pp_schedule == "GPipe" else min(tr.microbatches, par.pp)
-    # Gathered and padded, before the cut to the real vocabulary; each rank's own columns under the loss parallel.
-    logits = 2 * 4 * s * b * padded_vocab_size(args.vocab_size, t) / (t if par.loss_parallel else 1)
-    return int(kept_per_layer[tr.activation_checkpointing] * args.n_layers / par.pp * in_flight + recomputing + logits)
-
-
 def free_memory(device: torch.device) -> tuple[int, str]:
     """(bytes free for this rank, where the number comes from)."""
     if device.type == "cuda":
@@ -287,7 +248,7 @@ def free_memory(device: torch.device) -> tuple[int, str]:
 
 
 def memory(cfg: JobConfig, device: torch.device, world: int, limit: int | None) -> Check:
-    states, activations = model_state_bytes(cfg), activation_bytes(cfg)
+    states, activations = busiest_rank_state_bytes(cfg), activation_bytes(cfg)
     need = states + activations
     free, basis = (limit, "--memory-limit-bytes") if limit is not None else free_memory(device)
     lowest = int(gather_rows([float(free)], device, world).min())

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from keel.chaos.preflight_worker import activation_bytes
 from keel.trainer.activation_checkpoint import apply_activation_checkpointing
 from keel.trainer.compile_blocks import apply_compile
 from keel.trainer.config import ConfigError, load_config
+from keel.trainer.memory_model import activation_bytes
 from keel.trainer.model import Transformer
 from keel.trainer.model_args import ModelArgs
 

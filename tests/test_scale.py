@@ -14,8 +14,8 @@ import pytest
 from conftest import REPO, keel
 
 from keel.trainer.launch import parse_train_args
+from keel.trainer.memory_model import rank_model_states
 from keel.trainer.model_args import MODEL_PRESETS, model_args, padded_vocab_size
-from keel.trainer.model_states import rank_model_states
 from keel.trainer.simulate import simulate_rank
 
 # The seed table's layouts: (preset, pp, dp, tp, microbatches, global batch), and the layers each end rank holds.
@@ -60,7 +60,7 @@ def simulated() -> dict[str, list[dict]]:
 
 
 def analytic_params(preset: str, pp: int, dp: int, tp: int, pp_rank: int, dp_rank: int, n_layers: int | None = None) -> int:
-    """A rank's parameter elements as the planner counts them from the model's shape (keel.trainer.model_states)."""
+    """A rank's parameter elements as the planner counts them from the model's shape (keel.trainer.memory_model)."""
     args = MODEL_PRESETS[preset] if n_layers is None else replace(MODEL_PRESETS[preset], n_layers=n_layers)
     return rank_model_states(args, pp, dp, tp, pp_rank, dp_rank).params
 
