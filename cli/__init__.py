@@ -18,6 +18,7 @@ commands:
   alert-rules    write the Prometheus alerting rules with your windows and thresholds (keel alert-rules --help)
   simulate       what one rank of a large layout holds, built on meta with a fake process group (keel simulate --help)
   estimate       GPU-hours, days and cost of a job from its parameters and tokens (keel estimate --help)
+  plan           which pp x dp x tp layout: memory, bubble, communication and speed of each (keel plan --help)
   prepare-data   make a token file from text files, as bytes or with a tokenizer (keel prepare-data --help)
 """
 
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         from keel.trainer.simulate import main as run
     elif command == "estimate":
         from keel.trainer.estimate import main as run
+    elif command == "plan":
+        from keel.trainer.planner import main as run
     elif command == "prepare-data":
         from keel.trainer.prepare_data import main as run
     else:

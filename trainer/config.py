@@ -431,6 +431,12 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             f"parallel: pp*dp*tp = {par.pp}*{par.dp}*{par.tp} = {cfg.world_size} but {world_size} processes were "
             f"started; set --pp/--dp/--tp so their product is {world_size}, or start {cfg.world_size} processes"
         )
+    validate_layout(cfg)
+
+
+def validate_layout(cfg: JobConfig) -> None:
+    """The model and the batch must split over cfg's layout: what keel train checks, and what the planner
+    keeps its candidates to."""
     _validate_model_split(cfg)
     _validate_batch_split(cfg)
 

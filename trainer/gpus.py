@@ -1,6 +1,7 @@
-"""The GPUs Keel knows: dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets, in
-FLOP/s. MFU on a GPU is measured against them (keel.trainer.flops) and a job's cost is estimated with
-them (keel.trainer.estimate). Kept free of torch so that `keel estimate` starts at once."""
+"""The GPUs Keel knows: dense bf16 tensor-core peaks (no sparsity) and memory, from the vendors' data
+sheets. MFU on a GPU is measured against the peaks (keel.trainer.flops); a job's cost and layout are
+planned with both (keel.trainer.estimate, keel.trainer.planner). Kept free of torch so that `keel
+estimate` and `keel plan` start at once."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ GPU_PEAK_BF16_FLOPS = {
     "L4": 121e12,
     "MI300X": 1307e12,
 }
+
+# Memory per GPU in GiB: the data sheet's GB, which is what CUDA reports to within 2% (an H100's "80 GB"
+# is 79.6 GiB visible).
+GPU_MEMORY_GIB = {
+    "H200": 141, "H100 SXM": 80, "H100 NVL": 94, "H100 PCIe": 80, "H100": 80, "H20": 96, "B200": 192, "GB200": 186,
+    "A100": 80, "A10G": 24, "L40S": 48, "L4": 24, "MI300X": 192,
+}  # fmt: skip
 
 
 def gpu_kind(name: str) -> str | None:

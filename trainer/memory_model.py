@@ -85,28 +85,30 @@ def rank_model_states(
     return ModelStates(layers, params, WEIGHT_BYTES * params, GRAD_BYTES * params, ADAMW_BYTES * params)
 
 
-def busiest_rank_state_bytes(cfg: JobConfig) -> int:
+def busiest_rank_state_bytes(cfg: JobConfig, gathered_bytes: int = WEIGHT_BYTES) -> int:
     """The model states of the rank that holds the most (dp rank 0 holds the largest FSDP chunk; the pipeline
     rank with the most parameters), plus the gathered copies FSDP2 holds beside its shards at the peak:
     under zero2 the whole stage stays gathered from its forward to its backward; under zero3 one block is,
-    plus the next one prefetched, and the root unit (embedding, final norm, head). Counted in fp32 (under
-    bf16 mixed precision the gathered copies are bf16: an upper bound)."""
+    plus the next one prefetched, and the root unit (embedding, final norm, head). The gathered copies
+    take `gathered_bytes` a parameter: 4 (fp32; an upper bound under bf16) or 2 (bf16 mixed precision,
+    which gathers in bf16)."""
     par, args = cfg.parallel, model_args(cfg)
     states = [rank_model_states(args, par.pp, par.dp, par.tp, r, 0, par.pp_virtual_stages, par.dp_mode) for r in range(par.pp)]
     busiest = max(states, key=lambda s: s.total_bytes)
     if par.dp == 1 or par.dp_mode == "replicate":
         return busiest.total_bytes
     whole = rank_model_states(args, par.pp, 1, par.tp, states.index(busiest), 0, par.pp_virtual_stages)
-    block = WEIGHT_BYTES * sum(rows * cols for rows, cols in block_shapes(args, par.tp))
-    root = whole.param_bytes - whole.layers * block
-    gathered = whole.param_bytes if par.dp_mode == "zero2" else 2 * block + root
-    return busiest.total_bytes + gathered
+    block = sum(rows * cols for rows, cols in block_shapes(args, par.tp))
+    root = whole.params - whole.layers * block
+    gathered = whole.params if par.dp_mode == "zero2" else 2 * block + root
+    return busiest.total_bytes + gathered_bytes * gathered
 
 
-def activation_bytes(cfg: JobConfig) -> int:
-    """Activations kept for backward on the busiest rank, in fp32 (an upper bound under bf16). Per layer and
+def activation_bytes(cfg: JobConfig, element_bytes: int = 4) -> int:
+    """Activations kept for backward on the busiest rank, with `element_bytes` per element: 4 (fp32, what the
+    CPU trains in, and an upper bound under bf16) or 2 (bf16, the planner's GPU jobs). Per layer and
     micro-batch s·b·d·(10 + 24/t + 5·h·s/(d·t)) bytes at 16 bits (Korthikanti et al. 2022, no sequence
-    parallelism), doubled for fp32. Under training.activation_checkpointing, that paper's figures too:
+    parallelism), scaled by element_bytes / 2. Under training.activation_checkpointing, that paper's figures too:
     `selective` drops the attention term (s·b·d·(10 + 24/t)), `full` keeps each layer's input (2·s·b·d)
     and holds one layer's whole activations while it recomputes it. A pipeline's first stage holds
     min(micro-batches, pp) micro-batches under 1F1B (interleaved counted alike) and all of them under
@@ -114,15 +116,17 @@ def activation_bytes(cfg: JobConfig) -> int:
     dropout: s·b·d·34/t with it, the paper's eq. 5), and the loss parallel keeps 1/t of the logits."""
     par, tr, args = cfg.parallel, cfg.training, model_args(cfg)
     s, b, d, h, t = cfg.data.seq_len, cfg.microbatch_rows, args.dim, args.n_heads, par.tp
+    scale = element_bytes / 2  # the paper's figures are bytes at 16 bits
     outside = 10 / t if par.sequence_parallel else 10  # the activations between the tensor-parallel matmuls
-    whole_layer = 2 * s * b * d * (outside + 24 / t + 5 * h * s / (d * t))
+    whole_layer = scale * s * b * d * (outside + 24 / t + 5 * h * s / (d * t))
     kept_per_layer = {
         "none": whole_layer,
-        "selective": 2 * s * b * d * (outside + 24 / t),
-        "full": 2 * 2 * s * b * d / (t if par.sequence_parallel else 1),
+        "selective": scale * s * b * d * (outside + 24 / t),
+        "full": scale * 2 * s * b * d / (t if par.sequence_parallel else 1),
     }
     recomputing = whole_layer if tr.activation_checkpointing == "full" else 0
     in_flight = 1 if par.pp == 1 else tr.microbatches if par.pp_schedule == "GPipe" else min(tr.microbatches, par.pp)
     # Gathered and padded, before the cut to the real vocabulary; each rank's own columns under the loss parallel.
+    # fp32 whatever the training dtype: the loss casts the logits up (keel.trainer.parallel.loss_fn).
     logits = 2 * 4 * s * b * padded_vocab_size(args.vocab_size, t) / (t if par.loss_parallel else 1)
     return int(kept_per_layer[tr.activation_checkpointing] * args.n_layers / par.pp * in_flight + recomputing + logits)

@@ -1,0 +1,179 @@
+"""`keel plan`: its memory, bubble and communication formulas against the published ones and against worked
+examples checked by hand, its choice on the layouts of the field, and its answers to bad input. (Its model
+states equal the simulated build's, byte for byte: tests/test_scale.py.)"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from conftest import keel
+
+from keel.trainer.config import load_config
+from keel.trainer.memory_model import activation_bytes, busiest_rank_state_bytes, rank_model_states
+from keel.trainer.model_args import ModelArgs, count_params, padded_vocab_size
+from keel.trainer.planner import Hardware, candidates, plan, rank, shape_for_params
+
+H100_NODES = dict(gpu="H100", peak_flops=989e12, memory_bytes=80 * 2**30, gpus_per_node=8, intra_node_bytes_per_s=360e9,
+                  inter_node_bytes_per_s=40e9)  # fmt: skip
+# GPT-3 175B's shape, its 4d two-matrix MLP written as SwiGLU's three matrices of 8/3 d: the same parameters.
+GPT3 = {
+    "model.dim": 12288,
+    "model.n_layers": 96,
+    "model.n_heads": 96,
+    "model.n_kv_heads": 96,
+    "model.ffn_dim": 32768,
+    "model.vocab_size": 50257,
+}
+
+
+def _cfg(overrides: dict, **layout) -> object:
+    cfg = load_config(None, {"model.preset": "70b", "data.seq_len": 4096, "training.global_batch_size": 1024, **overrides})
+    return replace(cfg, parallel=replace(cfg.parallel, **layout)) if layout else cfg
+
+
+def test_model_states_follow_the_zero_paper():
+    """Rajbhandari et al. 2020, figure 1: a 7.5B model on 64 GPUs with mixed-precision Adam (K = 12) holds
+    120 GB a GPU replicated and 1.9 GB fully sharded (ZeRO-3); ZeRO-2 keeps the fp16 weights whole,
+    2Ψ + 14Ψ/64 = 16.6 GB. Keel keeps the same 16 bytes a parameter (fp32 weights, fp32 gradients, two fp32
+    moments), so replicate and zero3 give the paper's figures; zero2 (FSDP2 resharding only after the
+    backward) holds every shard plus the bf16 weights gathered whole from forward to backward:
+    16Ψ/64 + 2Ψ = 16.9 GB, 1.6% above the paper's ZeRO-2, which does not keep the fp32 weights sharded
+    beside the fp16 copy it gathers."""
+    shape = shape_for_params(7.5e9)  # 6.7B: the nearest Llama-like shape; the bytes scale with the count
+    cfg = load_config(None, {f"model.{k}": v for k, v in shape.items()} | {"training.global_batch_size": 64})
+    n = count_params(ModelArgs(**shape), padded_vocab_size(shape["vocab_size"], 1))[0]
+
+    def gb_at_7_5b(mode: str) -> float:
+        """The busiest GPU's bytes for this model at dp64, per parameter, times the paper's 7.5B."""
+        got = busiest_rank_state_bytes(replace(cfg, parallel=replace(cfg.parallel, dp=64, dp_mode=mode)), gathered_bytes=2)
+        return got / n * 7.5e9 / 1e9
+
+    assert gb_at_7_5b("replicate") == pytest.approx(120.0)
+    sharded = rank_model_states(ModelArgs(**shape), 1, 64, 1, 0, 0).total_bytes / n * 7.5e9 / 1e9
+    assert sharded == pytest.approx(1.9, abs=0.05)  # ZeRO-3 at rest: the paper's 1.9 GB
+    assert gb_at_7_5b("zero2") == pytest.approx(sharded + 15.0)  # + the bf16 weights, gathered whole
+    assert gb_at_7_5b("zero2") == pytest.approx(16.6, rel=0.02)  # the paper's ZeRO-2
+
+
+@pytest.mark.parametrize(
+    ("t", "sp", "ac", "per_layer"),
+    [
+        # Korthikanti et al. 2022: bytes per layer and micro-batch at 16 bits, s·b·h times ...
+        (1, False, "none", lambda s, b, h, a: s * b * h * (34 + 5 * a * s / h)),  # eq. 1
+        (8, False, "none", lambda s, b, h, a: s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))),  # eq. 2, tensor parallel
+        (8, True, "none", lambda s, b, h, a: s * b * h / 8 * (34 + 5 * a * s / h)),  # eq. 4, with sequence parallelism
+        (8, True, "selective", lambda s, b, h, a: s * b * h * 34 / 8),  # eq. 5, selective recomputation
+        (8, True, "full", lambda s, b, h, a: 2 * s * b * h / 8),  # section 5: full recomputation keeps the input
+    ],
+)
+def test_activations_follow_korthikanti(t, sp, ac, per_layer):
+    """GPT-3 175B at s = 2048 and one sequence a micro-batch (the paper's table 3 setting), pp1: the layers'
+    activations plus the fp32 logits and their gradient (the paper leaves the head out), plus, under full
+    recomputation, one layer's whole activations while it is recomputed."""
+    overrides = GPT3 | {"data.seq_len": 2048, "training.global_batch_size": 1, "training.activation_checkpointing": ac}
+    cfg = _cfg(overrides, tp=t, sequence_parallel=sp, loss_parallel=sp)
+    s, b, h, a = 2048, 1, 12288, 96
+    logits = 2 * 4 * s * b * padded_vocab_size(50257, t) / (t if sp else 1)
+    recomputing = s * b * h * (34 / t + 5 * a * s / (h * t)) if ac == "full" else 0
+    assert activation_bytes(cfg, element_bytes=2) == pytest.approx(96 * per_layer(s, b, h, a) + logits + recomputing, rel=1e-9)
+
+
+@pytest.mark.parametrize(("p", "m", "v", "share"), [(4, 16, 1, 3 / 19), (8, 32, 1, 7 / 39), (8, 32, 2, 7 / 71), (1, 8, 1, 0.0)])
+def test_the_bubble_is_narayanans(p, m, v, share):
+    """Narayanan et al. 2021: 1F1B idles (p-1)/m of the ideal time, interleaving with v chunks (p-1)/(v·m);
+    as a share of the step, (p-1)/(v·m + p-1). A worked example often quoted for 175B on pp4 with 16
+    micro-batches: 3/19 = 15.8%."""
+    schedule = "Interleaved1F1B" if v > 1 else "1F1B"
+    cfg = _cfg(
+        {"training.microbatches": m, "training.global_batch_size": m * 2}, pp=p, dp=2, tp=4, pp_schedule=schedule, pp_virtual_stages=v
+    )
+    assert plan(cfg, Hardware(gpus=p * 8, **H100_NODES)).bubble == pytest.approx(share)
+
+
+def test_data_parallel_traffic_is_the_ring_all_reduce():
+    """A worked example: BERT-Large (340M parameters) on 8 GPUs sends, per GPU and step, 2·(8-1)/8 of its
+    gradients in a ring all-reduce: 1.19 GB in fp16, 2.38 GB in fp32 as Keel reduces them. The example
+    multiplies the 680 MB by 8 GPUs instead (5.44 GB, 9 ms at 600 GB/s): every GPU sends 1.75x its
+    gradients, not 8x. Keel's replicate mode reduces 4-byte gradients; at 600 GB/s that is 4 ms."""
+    cfg = load_config(None, {"model.preset": "tiny", "model.dim": 1024, "model.n_layers": 24, "model.n_heads": 16, "model.ffn_dim": 4096,
+                             "model.vocab_size": 30522, "data.seq_len": 512, "training.global_batch_size": 8})  # fmt: skip
+    cfg = replace(cfg, parallel=replace(cfg.parallel, dp=8, dp_mode="replicate"))
+    held = rank_model_states(
+        ModelArgs(dim=1024, n_layers=24, n_heads=16, n_kv_heads=16, ffn_dim=4096, vocab_size=30522), 1, 1, 1, 0, 0
+    ).params
+    got = plan(cfg, Hardware(gpus=8, **H100_NODES | {"intra_node_bytes_per_s": 600e9}))
+    assert got.comm_bytes["dp"] == pytest.approx(2 * 7 / 8 * held * 4)
+    assert got.comm_s["dp"] == pytest.approx(2 * 7 / 8 * held * 4 / 600e9)
+
+
+def test_a_worked_175b_layout_holds_a_thirty_second_of_the_weights():
+    """175B on 64 GPUs as DP2 x TP8 x PP4 (a worked example): each GPU holds 1/8 of the weights of 1/4 of
+    the layers, 175B/32 = 5.5B parameters; replicated over dp, 16 bytes each: 87 GB, more than an
+    H100 holds, which is why such a layout shards over dp as well (zero3: 43 GB)."""
+    cfg = _cfg(GPT3 | {"training.microbatches": 4, "training.global_batch_size": 8}, pp=4, dp=2, tp=8, dp_mode="replicate")
+    params = busiest_rank_state_bytes(cfg) / 16
+    assert params == pytest.approx(175e9 / 32, rel=0.03)
+
+
+def test_seventy_billion_does_not_fit_on_one_node():
+    """A classic exercise: a 70B model on 8 H100s, which layout? With AdamW in full precision, none: its
+    model states alone are 16 bytes x 70.6B = 1.13 TB, 141 GB a GPU. The planner says so and names the
+    smallest count that fits."""
+    proc = keel("plan", "--config", "70b", "--gpus", "8", "--gpu", "H100")
+    assert proc.returncode == 0, proc.stderr
+    assert "816 layouts, 0 fit" in proc.stdout
+    smallest = int(proc.stdout.split("the smallest that fits is ")[1].split(" GPUs")[0].replace(",", ""))
+    assert 16 <= smallest and smallest % 8 == 0
+    fit = json.loads(keel("plan", "--config", "70b", "--gpus", str(smallest), "--gpu", "H100", "--json").stdout)
+    assert fit["fitting"] and fit["fitting"][0]["memory_bytes"]["total"] <= 0.9 * 80 * 2**30
+
+
+def test_the_pick_keeps_tp_in_a_node_and_fits():
+    """70B on 512 H100s (the field's layout is tp8 inside each node): every fitting layout keeps tp within 8
+    GPUs, the pick is the fastest, and the ranking is by tokens/s."""
+    cfg = _cfg({})
+    hw = Hardware(gpus=512, **H100_NODES)
+    plans = [plan(c, hw) for c in candidates(cfg, hw)]
+    ranked = rank(plans)
+    assert ranked and all(p.cfg.parallel.tp <= 8 for p in plans)
+    assert all(p.memory_bytes <= 0.9 * hw.memory_bytes for p in ranked)
+    assert [p.tokens_per_s for p in ranked] == sorted((p.tokens_per_s for p in ranked), reverse=True)
+    assert all(p.cfg.parallel.pp * p.cfg.parallel.dp * p.cfg.parallel.tp == 512 for p in plans)
+
+
+def test_the_command_explains_its_pick():
+    proc = keel("plan", "--config", "70b", "--gpus", "64", "--gpu", "H100", "--top", "3")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("80 layers x 8192 (70.6B parameters) on 64 H100")
+    assert len(lines) == 1 + 1 + 3 + 1 and "is the fastest layout that fits" in lines[-1]
+    assert lines[-1].startswith(lines[2].split()[0])  # the sentence names the first row's layout
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["--config", "70b", "--gpus", "0", "--gpu", "H100"], "--gpus 0: must be at least 1"),
+        (["--config", "70b", "--gpus", "8", "--gpu", "H100", "--seq-len=-5"], "--seq-len -5: must be at least 1"),
+        (["--layers", "0", "--dim", "512", "--heads", "8", "--gpus", "8", "--gpu", "H100"], "--layers 0: must be at least 1"),
+        (["--params", "0", "--gpus", "8", "--gpu", "H100"], "--params '0': must be more than 0"),
+        (["--config", "70b", "--gpus", "8", "--gpu", "V100"], "--gpu 'V100': unknown; known kinds: H200"),
+        (["--config", "70b", "--params", "7B", "--gpus", "8", "--gpu", "H100"], "give the model once"),
+        (["--layers", "8", "--gpus", "8", "--gpu", "H100"], "--layers needs --dim and --heads too"),
+        (
+            ["--layers", "8", "--dim", "1000", "--heads", "7", "--gpus", "8", "--gpu", "H100"],
+            "model.dim=1000 is not divisible by model.n_heads=7",
+        ),
+        # 7 heads split over no tp but 1 and 7 (more than a node of 4), 4 layers over no pp of 7, and a global
+        # batch of 1,024 over no dp of 7: no layout of 7 GPUs.
+        (["--layers", "4", "--dim", "896", "--heads", "7", "--gpus", "7", "--gpu", "H100", "--gpus-per-node", "4"], "--gpus 7: no layout"),
+        (["--config", "70b", "--gpus", "8", "--gpu", "H100", "--compute-efficiency", "2"], "--compute-efficiency 2: must be in (0, 1]"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_flag(args, error):
+    proc = keel("plan", *args)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"keel plan: error: {error}"), proc.stderr
