@@ -236,21 +236,31 @@ def hardware(opts, gpus: int | None = None) -> Hardware:
                     opts.intra_node_gbps * 1e9, opts.inter_node_gbps * 1e9, opts.compute_efficiency)  # fmt: skip
 
 
-def smallest_fitting(cfg: JobConfig, hw: Hardware, most_nodes: int = 4096) -> tuple[int, Plan] | None:
-    """The fewest GPUs, in whole nodes, on which some layout fits, with the fastest plan there. Counts whose
-    model states alone (16 bytes a parameter, spread over every GPU) exceed a GPU are skipped unplanned."""
+def smallest_fitting(cfg: JobConfig, hw: Hardware, most_gpus: int = 32768) -> tuple[int, Plan] | None:
+    """The fewest GPUs, in whole nodes, on which some layout fits, with the fastest plan there: doubling the
+    node count until one fits (counts with many factors, where most layouts exist), then node by node
+    between the last two. None up to `most_gpus`."""
     from keel.trainer.model_args import count_params
 
     states = 16 * count_params(model_args(cfg))[0]
-    for nodes in range(max(1, hw.gpus // hw.gpus_per_node), most_nodes + 1):
-        gpus = nodes * hw.gpus_per_node
-        if gpus <= hw.gpus or states / gpus > USABLE_MEMORY * hw.memory_bytes:
-            continue
+
+    def best_at(gpus: int) -> Plan | None:
+        if states / gpus > USABLE_MEMORY * hw.memory_bytes:  # the model states alone, spread over every GPU
+            return None
         bigger = replace(hw, gpus=gpus)
         fitting = rank([plan(c, bigger) for c in candidates(cfg, bigger)])
-        if fitting:
-            return gpus, fitting[0]
-    return None
+        return fitting[0] if fitting else None
+
+    node = hw.gpus_per_node
+    low, high = max(1, hw.gpus // node), max(1, hw.gpus // node)
+    while (found := best_at(high * node)) is None or high * node <= hw.gpus:
+        low, high = high, 2 * high
+        if high * node > most_gpus:
+            return None
+    for nodes in range(low + 1, high):
+        if nodes * node > hw.gpus and (smaller := best_at(nodes * node)) is not None:
+            return nodes * node, smaller
+    return high * node, found
 
 
 def explain(best: Plan, hw: Hardware) -> str:
@@ -376,7 +386,7 @@ def main(argv: list[str]) -> int:
     print(f"{args.n_layers} layers x {args.dim} ({model_params_text(args)}) on {hw.gpus:,} {hw.gpu} ({hw.memory_bytes / 2**30:.0f} GiB), "
           f"{cfg.training.global_batch_size:,} x {cfg.data.seq_len:,} tokens a step: {len(plans):,} layouts, {len(fitting):,} fit")  # fmt: skip
     if not fitting:
-        smallest = f"the smallest that fits is {fallback[0]:,} GPUs: {fallback[1].label()}" if fallback else "nor on any count tried"
+        smallest = f"the smallest that fits is {fallback[0]:,} GPUs: {fallback[1].label()}" if fallback else "nor on up to 32,768 GPUs"
         print(f"nothing fits in {USABLE_MEMORY:.0%} of {hw.memory_bytes / 2**30:.0f} GiB a GPU; {smallest}")
         return EXIT_OK
     print(HEADER)
