@@ -1,6 +1,6 @@
 """Activation checkpointing (training.activation_checkpointing) recomputes instead of keeping: the
 numbers must not change. Here in one process, the three modes trained side by side; tests/test_parity.py
-runs every layout compiled with `full`. What it saves is measured in bench/activation_memory.py."""
+runs the layouts compiled with `full`. What it saves is measured in bench/activation_memory.py."""
 
 from __future__ import annotations
 
