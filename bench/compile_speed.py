@@ -40,8 +40,7 @@ def measure(mode: str) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from keel.trainer.activation_checkpoint import apply_activation_checkpointing
-    from keel.trainer.compile_blocks import apply_compile
+    from keel.trainer.compile_blocks import apply_checkpointing_and_compile
     from keel.trainer.model import Transformer
     from keel.trainer.model_args import ModelArgs
 
@@ -49,13 +48,7 @@ def measure(mode: str) -> dict:
     torch.set_num_threads(1)
     model = Transformer(ModelArgs(**SHAPE))
     model.init_weights(0)
-    # The trainer's order (keel.trainer.parallel.build_model_parts): `full` wraps the compiled block.
-    if not (how == "compiled" and ac == "full"):
-        apply_activation_checkpointing(model, ac)
-    if how == "compiled":
-        apply_compile(model)
-        if ac == "full":
-            apply_activation_checkpointing(model, ac)
+    apply_checkpointing_and_compile(model, ac, compile=how == "compiled")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
 

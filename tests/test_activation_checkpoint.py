@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from keel.trainer.activation_checkpoint import apply_activation_checkpointing
-from keel.trainer.compile_blocks import apply_compile
+from keel.trainer.compile_blocks import apply_checkpointing_and_compile
 from keel.trainer.config import ConfigError, load_config
 from keel.trainer.memory_model import activation_bytes
 from keel.trainer.model import Transformer
@@ -51,16 +51,12 @@ def test_checkpointing_changes_no_number(mode):
         assert torch.equal(g, h)
 
 
-@pytest.mark.parametrize("levers", [["full"], ["selective", "compile"], ["compile", "full"]])
-def test_checkpointing_and_compile_keep_every_parameter_name(levers):
+@pytest.mark.parametrize(("checkpointing", "compile"), [("full", False), ("selective", True), ("full", True)])
+def test_checkpointing_and_compile_keep_every_parameter_name(checkpointing, compile):
     """Names seed the initial weights and key the checkpoints: a wrapper module (checkpoint_wrapper's, or
     torch.compile's OptimizedModule) would change them."""
     plain, changed = Transformer(ARGS), Transformer(ARGS)
-    for lever in levers:
-        if lever == "compile":
-            apply_compile(changed)
-        else:
-            apply_activation_checkpointing(changed, lever)
+    apply_checkpointing_and_compile(changed, checkpointing, compile)
     assert [n for n, _ in changed.named_parameters()] == [n for n, _ in plain.named_parameters()]
     assert list(changed.state_dict()) == list(plain.state_dict())
 

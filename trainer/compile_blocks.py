@@ -2,17 +2,31 @@
 alike, so one compiled graph serves them all, and the embedding, the head and the pipeline's sends stay
 eager. fullgraph=True, so that a graph break is an error at the first step rather than a silent slowdown.
 
-It goes on after tensor parallelism and activation checkpointing and before FSDP (TorchTitan's order):
-the graph then holds the TP collectives and the recomputation, and FSDP's hooks stay outside it.
-Module.compile() compiles in place, so parameter names (which seed the initial weights and key the
-checkpoints) do not change.
+It goes on after tensor parallelism and before FSDP (TorchTitan's order): the graph holds the TP
+collectives, and FSDP's hooks stay outside it because each block's forward is compiled, not the module,
+so parameter names (which seed the initial weights and key the checkpoints) do not change either.
 """
 
 from __future__ import annotations
 
 import torch
 
+from keel.trainer.activation_checkpoint import apply_activation_checkpointing
+from keel.trainer.config import ActivationCheckpointing
 from keel.trainer.model import Transformer
+
+
+def apply_checkpointing_and_compile(model: Transformer, checkpointing: ActivationCheckpointing, compile: bool) -> None:
+    """Activation checkpointing and compile, in the order that works: `selective` inside the compiled graph
+    (its policy picks ops of the graph), `full` around it (the backward runs the compiled forward again).
+    `full` inside the graph fails to compile under tensor parallelism on torch 2.13: a DeviceMesh among
+    the tensors saved for the backward."""
+    around = compile and checkpointing == "full"
+    apply_activation_checkpointing(model, "none" if around else checkpointing)
+    if compile:
+        apply_compile(model)
+    if around:
+        apply_activation_checkpointing(model, "full")
 
 
 def apply_compile(model: Transformer) -> None:

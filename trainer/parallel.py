@@ -19,8 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.distributed.tensor.parallel import loss_parallel as tp_loss_parallel
 
-from keel.trainer.activation_checkpoint import apply_activation_checkpointing
-from keel.trainer.compile_blocks import apply_compile
+from keel.trainer.compile_blocks import apply_checkpointing_and_compile
 from keel.trainer.config import DataParallelMode, JobConfig
 from keel.trainer.model import Transformer
 from keel.trainer.model_args import ModelArgs, padded_vocab_size, stage_layers
@@ -235,13 +234,7 @@ def build_model_parts(cfg: JobConfig, args: ModelArgs, layout: Layout, device: t
         log.info("pipeline stage %d built: %d parameters (+%d of vocabulary padding)", stage, model.real_parameter_count(), padding)
         if layout.tp > 1:
             apply_tensor_parallel(model, layout.mesh["tp"], cfg.parallel.sequence_parallel, cfg.parallel.loss_parallel)
-        full_outside = cfg.training.compile and cfg.training.activation_checkpointing == "full"
-        if not full_outside:
-            apply_activation_checkpointing(model, cfg.training.activation_checkpointing)
-        if cfg.training.compile:
-            apply_compile(model)
-        if full_outside:
-            apply_activation_checkpointing(model, cfg.training.activation_checkpointing)
+        apply_checkpointing_and_compile(model, cfg.training.activation_checkpointing, cfg.training.compile)
         if cfg.training.activation_checkpointing != "none":
             log.info(
                 "activation checkpointing (%s) on the %d blocks of stage %d",

@@ -15,11 +15,17 @@ The layouts that fit are ranked by tokens/s. Conventions and sources: docs/plann
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from dataclasses import dataclass, replace
 
-from keel.trainer.config import ConfigError, JobConfig, validate_layout
+from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
+from keel.trainer.config import ConfigError, JobConfig, load_config, validate_layout
+from keel.trainer.estimate import EstimateError, parse_count
+from keel.trainer.gpus import GPU_MEMORY_GIB, GPU_PEAK_BF16_FLOPS, gpu_kind
 from keel.trainer.memory_model import activation_bytes, busiest_rank_state_bytes, rank_model_states
-from keel.trainer.model_args import flops_per_token, model_args
+from keel.trainer.model_args import LLAMA3_VOCAB, MODEL_PRESETS, ModelArgs, count_params, flops_per_token, model_args
 
 BF16 = 2  # bytes: activations, TP and PP traffic, FSDP's all-gathers (its MixedPrecisionPolicy)
 FP32 = 4  # bytes: gradients reduced in fp32
@@ -184,7 +190,6 @@ def shape_for_params(params: float) -> dict[str, int]:
     SwiGLU's ffn = 8/3·d_model rounded up to 256, 8 kv heads where the heads split into 8, Llama 3's
     vocabulary. The layer count whose exact parameter count is nearest wins, among 1 to 7 layers and then
     multiples of 8 (so that the heads split over tp up to 8)."""
-    from keel.trainer.model_args import LLAMA3_VOCAB, ModelArgs, count_params
 
     def shape(layers: int) -> dict[str, int]:
         d = 128 * layers
@@ -198,9 +203,6 @@ def shape_for_params(params: float) -> dict[str, int]:
 def base_config(opts) -> JobConfig:
     """The job to plan: a config (a TOML file or preset, whose batch and sequence length stand unless the
     flags set them), a parameter count, or a shape."""
-    from keel.trainer.config import load_config
-    from keel.trainer.model_args import LLAMA3_VOCAB, MODEL_PRESETS
-
     overrides: dict = {}
     if opts.config and opts.config in MODEL_PRESETS and not opts.config.endswith(".toml"):
         source, overrides["model.preset"] = None, opts.config
@@ -227,8 +229,6 @@ def base_config(opts) -> JobConfig:
 
 
 def hardware(opts, gpus: int | None = None) -> Hardware:
-    from keel.trainer.gpus import GPU_MEMORY_GIB, GPU_PEAK_BF16_FLOPS, gpu_kind
-
     kind = gpu_kind(opts.gpu)
     if kind is None:
         raise ConfigError(f"--gpu {opts.gpu!r}: unknown; known kinds: {', '.join(GPU_PEAK_BF16_FLOPS)}")
@@ -240,8 +240,6 @@ def smallest_fitting(cfg: JobConfig, hw: Hardware, most_gpus: int = 32768) -> tu
     """The fewest GPUs, in whole nodes, on which some layout fits, with the fastest plan there: doubling the
     node count until one fits (counts with many factors, where most layouts exist), then node by node
     between the last two. None up to `most_gpus`."""
-    from keel.trainer.model_args import count_params
-
     states = 16 * count_params(model_args(cfg))[0]
 
     def best_at(gpus: int) -> Plan | None:
@@ -301,8 +299,6 @@ def _as_dict(p: Plan) -> dict:
 
 
 def _parser():
-    import argparse
-
     p = argparse.ArgumentParser(prog="keel plan", description=__doc__.split("\n\n")[0])
     model = p.add_argument_group("the model (one of)")
     model.add_argument("--config", help="a preset (tiny, small, 1b, 7b, 70b, 405b) or a TOML config")
@@ -329,8 +325,6 @@ def _parser():
 
 def _check_flags(opts) -> None:
     """One line per bad flag, before anything is planned."""
-    from keel.trainer.estimate import parse_count
-
     chosen = [
         name for name, given in (("--config", opts.config), ("--params", opts.params), ("--layers", opts.layers)) if given is not None
     ]
@@ -352,12 +346,6 @@ def _check_flags(opts) -> None:
 
 
 def main(argv: list[str]) -> int:
-    import json
-    import sys
-
-    from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
-    from keel.trainer.estimate import EstimateError
-
     opts = _parser().parse_args(argv)
     try:
         _check_flags(opts)
@@ -397,6 +385,4 @@ def main(argv: list[str]) -> int:
 
 
 def model_params_text(args) -> str:
-    from keel.trainer.model_args import count_params
-
     return f"{count_params(args)[0] / 1e9:.1f}B parameters"

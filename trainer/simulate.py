@@ -27,27 +27,19 @@ from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
 from keel.trainer import parallel
 from keel.trainer.config import ConfigError, JobConfig
 from keel.trainer.launch import parse_train_args
+from keel.trainer.memory_model import ModelStates
 from keel.trainer.model_args import model_args
 from keel.trainer.optim import build_optimizer
 
 
 @dataclass(frozen=True)
-class RankMemory:
-    """What one rank holds for training, in bytes (fp32 weights, gradients and AdamW's two moments)."""
+class RankMemory(ModelStates):
+    """What one rank holds for training, read off its built tensors, and where it sits in the layout."""
 
     rank: int
     pp_rank: int
     dp_rank: int
     tp_rank: int
-    layers: int  # transformer blocks in this rank's pipeline stages
-    params: int  # parameter elements this rank holds: its shards
-    param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
-
-    @property
-    def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
 
 def simulate_rank(cfg: JobConfig, rank: int) -> RankMemory:
@@ -66,7 +58,7 @@ def simulate_rank(cfg: JobConfig, rank: int) -> RankMemory:
         # The two moments per parameter; AdamW's step counters are scalars (4 bytes a parameter tensor), left out.
         state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
         return RankMemory(
-            rank, layout.pp_rank, layout.dp_rank, layout.tp_rank,
+            rank=rank, pp_rank=layout.pp_rank, dp_rank=layout.dp_rank, tp_rank=layout.tp_rank,
             layers=sum(len(part.layers) for part in parts),
             params=sum(_local(p).numel() for p in params),
             param_bytes=sum(_bytes(p) for p in params),
