@@ -31,7 +31,7 @@ from keel.monitor.run_dir import CHECKPOINT_DIR
 from keel.trainer import parallel
 from keel.trainer.config import JobConfig
 from keel.trainer.data import BatchSampler, open_tokens
-from keel.trainer.distributed import init_distributed
+from keel.trainer.distributed import PROBE_BYTES, init_distributed, probe_link
 from keel.trainer.launch import parse_train_args
 from keel.trainer.memory_model import activation_bytes, busiest_rank_state_bytes
 from keel.trainer.model_args import model_args
@@ -39,8 +39,6 @@ from keel.trainer.optim import build_optimizer, clip_grads
 from keel.trainer.step import forward_backward
 from keel.trainer.step_metrics import gather_rows
 
-BANDWIDTH_BYTES = 8 * 2**20  # big enough that the time is the link's, not the call's overhead
-BANDWIDTH_WARMUP, BANDWIDTH_ITERS, LATENCY_ITERS = 2, 5, 20
 DISK_BYTES, DISK_CHUNK = 64 * 2**20, 8 * 2**20
 JOIN_KEY = "keel-preflight/joined"
 
@@ -135,39 +133,17 @@ def reachable(device: torch.device, rank: int, world: int, started: float) -> Ch
 # --- b. collective bandwidth per mesh dim ----------------------------------------------------------
 
 
-def _seconds_per_call(fn, iters: int, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) / iters
-
-
-def bandwidth(dim: str, layout: parallel.Layout, device: torch.device, world: int, min_gbps: float) -> Check:
+def bandwidth(dim: str, layout: parallel.Layout, device: torch.device, min_gbps: float) -> Check:
     """Timed all-reduces on this dim's process groups: 8 MiB for bandwidth, 4 bytes for latency. The
     slowest group sets the number, as it sets the pace of a step."""
-    group, n = layout.group(dim), getattr(layout, dim)
-    big = torch.zeros(BANDWIDTH_BYTES // 4, device=device)  # zeros: the sums stay finite however often they run
-    small = torch.zeros(1, device=device)
-    for _ in range(BANDWIDTH_WARMUP):
-        dist.all_reduce(big, group=group)
-        dist.all_reduce(small, group=group)
-    big_s = _seconds_per_call(lambda: dist.all_reduce(big, group=group), BANDWIDTH_ITERS, device)
-    small_s = _seconds_per_call(lambda: dist.all_reduce(small, group=group), LATENCY_ITERS, device)
-    big_s, small_s = gather_rows([big_s, small_s], device, world).max(dim=0).values.tolist()
-    # All-reduce bus bandwidth (as nccl-tests reports it): each byte crosses 2(n-1)/n links.
-    bus_gbps = BANDWIDTH_BYTES * 2 * (n - 1) / n / big_s / 1e9
+    n = getattr(layout, dim)
+    bus_bytes_per_s, small_s = probe_link(layout.group(dim), n, device)
+    bus_gbps = bus_bytes_per_s / 1e9
     ok = bus_gbps >= min_gbps
     floor = f" (minimum {min_gbps:g})" if min_gbps > 0 else ""
     detail = f"bus {bus_gbps:.3g} GB/s{floor} (8 MiB all-reduce over {n} ranks), latency {small_s * 1e3:.3g} ms"
     return Check(
-        f"bandwidth {dim}",
-        "pass" if ok else "fail",
-        detail,
-        {"ranks": n, "bytes": BANDWIDTH_BYTES, "bus_gbps": bus_gbps, "seconds": big_s, "latency_s": small_s},
+        f"bandwidth {dim}", "pass" if ok else "fail", detail, {"ranks": n, "bytes": PROBE_BYTES, "bus_gbps": bus_gbps, "latency_s": small_s}
     )
 
 
@@ -248,7 +224,9 @@ def free_memory(device: torch.device) -> tuple[int, str]:
 
 
 def memory(cfg: JobConfig, device: torch.device, world: int, limit: int | None) -> Check:
-    states, activations = busiest_rank_state_bytes(cfg), activation_bytes(cfg)
+    # The planner's memory model (keel plan), in the dtype this job trains in on this device.
+    element = 2 if parallel.mixed_precision(cfg, device)[0] else 4
+    states, activations = busiest_rank_state_bytes(cfg, gathered_bytes=element), activation_bytes(cfg, element_bytes=element)
     need = states + activations
     free, basis = (limit, "--memory-limit-bytes") if limit is not None else free_memory(device)
     lowest = int(gather_rows([float(free)], device, world).min())
@@ -309,7 +287,7 @@ def run_checks(cfg: JobConfig, opts: argparse.Namespace, local_rank: int, report
     layout = parallel.build_layout(cfg, device)
     for dim in ("pp", "dp", "tp"):
         if getattr(layout, dim) > 1:
-            report.add(bandwidth(dim, layout, device, world, opts.min_bandwidth_gbps))
+            report.add(bandwidth(dim, layout, device, opts.min_bandwidth_gbps))
     report.add(checkpoint_disk(cfg.run.run_dir, world, local_rank))
     mem = memory(cfg, device, world, opts.memory_limit_bytes)
     report.add(mem)

@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         from keel.trainer.simulate import main as run
     elif command == "estimate":
         from keel.trainer.estimate import main as run
+    elif command == "plan" and "--check" in rest:
+        from keel.trainer.run_plan import main as run
     elif command == "plan":
         from keel.trainer.planner import main as run
     elif command == "prepare-data":

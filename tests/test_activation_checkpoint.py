@@ -70,7 +70,9 @@ def test_preflight_counts_less_activation_memory_for_more_recomputation():
 
 def test_preflight_counts_the_activations_sequence_and_loss_parallelism_split():
     def estimate(**par) -> int:
-        return activation_bytes(load_config("small", {"parallel.tp": 2, **{f"parallel.{k}": v for k, v in par.items()}}))
+        # pp1: the rank with the logits is the busiest (under a pipeline the first stage is, and holds none).
+        layout = {"parallel.tp": 2, "parallel.pp": 1, **{f"parallel.{k}": v for k, v in par.items()}}
+        return activation_bytes(load_config("small", layout))
 
     plain, sequence, both = estimate(), estimate(sequence_parallel=True), estimate(sequence_parallel=True, loss_parallel=True)
     assert plain > sequence > both > 0

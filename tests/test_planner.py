@@ -11,8 +11,8 @@ import pytest
 from conftest import keel
 
 from keel.trainer.config import load_config
-from keel.trainer.memory_model import activation_bytes, busiest_rank_state_bytes, rank_model_states
-from keel.trainer.model_args import ModelArgs, count_params, padded_vocab_size
+from keel.trainer.memory_model import busiest_rank_state_bytes, korthikanti_activation_bytes, rank_model_states
+from keel.trainer.model_args import ModelArgs, count_params, model_args, padded_vocab_size
 from keel.trainer.planner import Hardware, candidates, plan, rank, shape_for_params
 
 H100_NODES = dict(gpu="H100", peak_flops=989e12, memory_bytes=80 * 2**30, gpus_per_node=8, intra_node_bytes_per_s=360e9,
@@ -77,7 +77,7 @@ def test_activations_follow_korthikanti(t, sp, ac, per_layer):
     s, b, h, a = 2048, 1, 12288, 96
     logits = 2 * 4 * s * b * padded_vocab_size(50257, t) / (t if sp else 1)
     recomputing = s * b * h * (34 / t + 5 * a * s / (h * t)) if ac == "full" else 0
-    assert activation_bytes(cfg, element_bytes=2) == pytest.approx(96 * per_layer(s, b, h, a) + logits + recomputing, rel=1e-9)
+    assert korthikanti_activation_bytes(cfg, element_bytes=2) == pytest.approx(96 * per_layer(s, b, h, a) + logits + recomputing, rel=1e-9)
 
 
 @pytest.mark.parametrize(("p", "m", "v", "share"), [(4, 16, 1, 3 / 19), (8, 32, 1, 7 / 39), (8, 32, 2, 7 / 71), (1, 8, 1, 0.0)])
@@ -177,3 +177,29 @@ def test_bad_input_is_one_line_naming_the_flag(args, error):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"keel plan: error: {error}"), proc.stderr
+
+
+def test_data_parallel_traffic_follows_fsdp2s_gathers_and_each_collective_pays_the_latency():
+    """FSDP2 (Keel's zero3) reshards after each forward and backward, so a step of m micro-batches gathers
+    every weight 2m times, zero2 m times (it keeps them from a forward to its backward); both reduce-scatter
+    the fp32 gradients once. FSDP2 does each block and the root unit apart: (layers + 1) collectives a
+    gather. On CPU (hw.overlaps_compute False: gloo's threads share the compute's cores) all of it is
+    exposed; tp's 4 all-reduces a block and micro-batch each pay the latency too."""
+    held = rank_model_states(model_args(_small(pp=1, dp=1, tp=1)), 1, 1, 1, 0, 0).params
+    cpu = Hardware(gpu="cpu", gpus=2, gpus_per_node=2, peak_flops=1e11, memory_bytes=2**34, intra_node_bytes_per_s=1e9,
+                   inter_node_bytes_per_s=1e9, collective_latency_s=1e-3, overlaps_compute=False)  # fmt: skip
+    for mode, gathers in (("zero3", 2 * 4), ("zero2", 4)):
+        got = plan(_small(pp=1, dp=2, tp=1, dp_mode=mode), cpu)
+        assert got.comm_bytes["dp"] == pytest.approx(held / 2 * (gathers * 4 + 4))  # fp32 on CPU
+        collectives = (4 + 1) * (gathers + 1)  # 4 blocks and the root, each gathered and reduced
+        assert got.comm_s["dp"] == pytest.approx(got.comm_bytes["dp"] / 1e9 + collectives * 1e-3)
+        assert got.step_s == pytest.approx(got.compute_s + got.comm_s["dp"])  # nothing overlapped
+    tp = plan(_small(pp=1, dp=1, tp=2), cpu)
+    activation = 256 * 2 * 256 * 4  # seq x rows a micro-batch x d_model, fp32
+    assert tp.comm_bytes["tp"] == pytest.approx(4 * 2 * 0.5 * activation * 4 * 4)  # 4 all-reduces, 4 blocks, 4 micro-batches
+    assert tp.comm_s["tp"] == pytest.approx(tp.comm_bytes["tp"] / 1e9 + 4 * 4 * 4 * 1e-3)
+
+
+def _small(**layout):
+    cfg = load_config("small", {"data.seq_len": 256, "training.global_batch_size": 8, "training.microbatches": 4})
+    return replace(cfg, parallel=replace(cfg.parallel, **layout))

@@ -163,6 +163,9 @@ class MetricsConfig:
     # CPU. Set it for a GPU the table does not know, or to compare MFU across CPU runs (the calibration
     # varies with the machine's load).
     peak_tflops: float = 0.0
+    # Before the first step, time the link and print keel plan's estimate of this layout on this hardware;
+    # keep it in the run for `keel plan --check RUN_DIR` (keel train --plan).
+    plan: bool = False
 
     def validate(self) -> None:
         if self.comm_sample_every < 1 or self.log_every < 1:

@@ -1,10 +1,11 @@
 """The process group: starting it from torchrun's or srun's variables, its collective timeouts, and
-the small collectives the trainer needs outside the model (a sum over ranks)."""
+the small collectives the trainer needs outside the model (a sum over ranks, a probe of a link)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -66,3 +67,40 @@ def sum_over_ranks(value: float, device: torch.device, world: int) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.item()
+
+
+PROBE_BYTES = 8 * 2**20  # big enough that the time is the link's, not the call's overhead
+PROBE_WARMUP, PROBE_ITERS, LATENCY_ITERS = 2, 5, 20
+
+
+def _seconds_per_call(fn, iters: int, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / iters
+
+
+def probe_link(group, ranks: int, device: torch.device) -> tuple[float, float]:
+    """(all-reduce bus bandwidth in bytes/s, as nccl-tests reports it: each byte crosses 2(n-1)/n links;
+    latency in seconds) of `group`, from timed all-reduces of 8 MiB and of 4 bytes. Every rank of the job
+    calls it; the slowest rank's times count, as it sets the pace of a step."""
+    big = torch.zeros(PROBE_BYTES // 4, device=device)  # zeros: the sums stay finite however often they run
+    small = torch.zeros(1, device=device)
+    for _ in range(PROBE_WARMUP):
+        dist.all_reduce(big, group=group)
+        dist.all_reduce(small, group=group)
+    times = torch.tensor(
+        [
+            _seconds_per_call(lambda: dist.all_reduce(big, group=group), PROBE_ITERS, device),
+            _seconds_per_call(lambda: dist.all_reduce(small, group=group), LATENCY_ITERS, device),
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    big_s, small_s = times.tolist()
+    return PROBE_BYTES * 2 * (ranks - 1) / ranks / big_s, small_s

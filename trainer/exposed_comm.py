@@ -1,4 +1,5 @@
-"""comm_share: exposed communication time ÷ step time, measured on sampled steps with torch.profiler.
+"""comm_share: exposed communication time ÷ step time, measured on sampled steps with torch.profiler (on CPU,
+with the step's allocated peak memory, which the profiler records alongside: allocated_peak_bytes).
 
 Communication runs on other threads (gloo's workers) or CUDA streams (NCCL kernels). It is exposed
 when nothing else is computing meanwhile: on CPU, the training thread is not inside an aten op; on
@@ -125,19 +126,48 @@ def _activities(cuda: bool) -> list[ProfilerActivity]:
     return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
 
+def allocated_peak_bytes(prof: profile) -> int:
+    """The most CPU memory the profiled window held at once beyond what was allocated before it: the running
+    sum of the allocator's allocations and frees (c10's CPU allocator reports them to the profiler while it
+    records memory). Frees of older tensors are not reported, so a tensor from before the window that is
+    freed inside it still counts. On CPU this is the counterpart of torch.cuda.max_memory_allocated: the
+    tensors alone, without the process's code, Python objects or what glibc keeps after a free."""
+    changes = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    held = peak = 0
+    for _, nbytes in changes:
+        held += nbytes
+        peak = max(peak, held)
+    return peak
+
+
+class StepProfile:
+    """What a sampled step measured, read after the step: its exposed communication seconds and, on CPU,
+    its allocated peak (both None when the step was not profiled; the peak None on GPU, whose allocator
+    keeps its own, torch.cuda.max_memory_allocated)."""
+
+    def __init__(self, prof: profile | None, memory: bool):
+        self._prof, self._memory = prof, memory
+
+    def comm_seconds(self) -> float | None:
+        return None if self._prof is None else exposed_comm_seconds(self._prof)
+
+    def allocated_peak_bytes(self) -> int | None:
+        return allocated_peak_bytes(self._prof) if self._prof is not None and self._memory else None
+
+
 @contextlib.contextmanager
 def sampled_step(enabled: bool, cuda: bool):
-    """Profiles the enclosed step when enabled; yields a callable that returns its exposed comm
-    seconds (None when not enabled), to be called after the block."""
+    """Profiles the enclosed step when enabled (on CPU, with its memory too); yields a StepProfile to be read
+    after the block."""
     if not enabled:
-        yield lambda: None
+        yield StepProfile(None, memory=False)
         return
-    prof = profile(activities=_activities(cuda))
+    prof = profile(activities=_activities(cuda), profile_memory=not cuda)
     with _stderr_silenced():
         prof.start()
     try:
         with record_function(STEP_MARK):
-            yield lambda: exposed_comm_seconds(prof)
+            yield StepProfile(prof, memory=not cuda)
     finally:
         with _stderr_silenced():
             prof.stop()

@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("pp", "dp", "tp", "steps", "seed"):
         p.add_argument(f"--{name}", type=int, help=f"shorthand for --{SHORT_FLAGS[name]}")
     p.add_argument("--run-dir", dest="run_dir", help="output directory (default: runs/<run_id>)")
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print keel plan's estimate of this layout before training and keep it (keel plan --check RUN_DIR)",
+    )
     p.add_argument("--fault", action="append", default=[], metavar="KIND@step=S[,rank=R]", help="inject a fault (repeatable)")
     p.add_argument(
         "--resume",
@@ -114,6 +119,8 @@ def parse_train_args(argv: list[str], world_size: int | None = None) -> tuple[Jo
     overrides = [f"{SHORT_FLAGS[k]}={getattr(opts, k)}" for k in SHORT_FLAGS if getattr(opts, k) is not None]
     if opts.fault:
         overrides.append("chaos.faults=" + ";".join(opts.fault))
+    if opts.plan:
+        overrides.append("metrics.plan=true")
     source = opts.config
     if opts.resume:
         source = str(resume_config(opts.resume))

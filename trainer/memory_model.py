@@ -3,7 +3,8 @@
 Model states (the ZeRO paper's term: parameters, gradients, optimizer state) are counted from the model's
 shape with the trainer's own splits; keel.trainer.simulate builds the same rank on meta and reads the
 real tensors, and the two agree exactly (tests/test_scale.py), for every preset at layouts of 8 to 16,384
-GPUs. Activations are estimated with Korthikanti et al. 2022's per-layer formulas (activation_bytes).
+GPUs. Activations are the tensors autograd keeps for Keel's block, counted as Korthikanti et al. 2022 count
+GPT's (activation_bytes; their own formulas: korthikanti_activation_bytes).
 
 The splits, as keel.trainer.parallel makes them:
 - pipeline: pp rank r holds stages r, r + pp, ... (one per virtual stage), with model_args.stage_layers'
@@ -87,11 +88,15 @@ def rank_model_states(
 
 def busiest_rank_state_bytes(cfg: JobConfig, gathered_bytes: int = WEIGHT_BYTES) -> int:
     """The model states of the rank that holds the most (dp rank 0 holds the largest FSDP chunk; the pipeline
-    rank with the most parameters), plus the gathered copies FSDP2 holds beside its shards at the peak:
-    under zero2 the whole stage stays gathered from its forward to its backward; under zero3 one block is,
-    plus the next one prefetched, and the root unit (embedding, final norm, head). The gathered copies
-    take `gathered_bytes` a parameter: 4 (fp32; an upper bound under bf16) or 2 (bf16 mixed precision,
-    which gathers in bf16)."""
+    rank with the most parameters) at its peak, with what FSDP2 holds beside its shards then:
+    - gathered weights, `gathered_bytes` a parameter (4: fp32; 2: bf16 mixed precision, which gathers in
+      bf16): under zero2 the whole stage, gathered from its forward to its backward; under zero3 the block
+      computing, the next one prefetched and the flat all-gather buffer it arrived in, and the root unit
+      (embedding, final norm, head); under a pipeline the whole stage for zero3 too, since the schedule
+      keeps it gathered from its first backward to the step's end (set_reshard_after_backward(False));
+    - gradients unsharded, in fp32, when a step has several micro-batches: they accumulate unreduced until
+      the last one (set_requires_gradient_sync), and the last backward begins with all of them held.
+    (tests/test_plan_check.py holds this against the allocator's measured peak.)"""
     par, args = cfg.parallel, model_args(cfg)
     states = [rank_model_states(args, par.pp, par.dp, par.tp, r, 0, par.pp_virtual_stages, par.dp_mode) for r in range(par.pp)]
     busiest = max(states, key=lambda s: s.total_bytes)
@@ -100,20 +105,66 @@ def busiest_rank_state_bytes(cfg: JobConfig, gathered_bytes: int = WEIGHT_BYTES)
     whole = rank_model_states(args, par.pp, 1, par.tp, states.index(busiest), 0, par.pp_virtual_stages)
     block = sum(rows * cols for rows, cols in block_shapes(args, par.tp))
     root = whole.params - whole.layers * block
-    gathered = whole.params if par.dp_mode == "zero2" else 2 * block + root
-    return busiest.total_bytes + gathered_bytes * gathered
+    gathered = whole.params if par.dp_mode == "zero2" or par.pp > 1 else 3 * block + root
+    unreduced = (whole.params - busiest.params) * GRAD_BYTES if cfg.training.microbatches > 1 else 0
+    return busiest.total_bytes + gathered_bytes * gathered + unreduced
+
+
+FP32 = 4  # bytes: what the norms compute in and the loss casts the logits to, whatever the training dtype
 
 
 def activation_bytes(cfg: JobConfig, element_bytes: int = 4) -> int:
-    """Activations kept for backward on the busiest rank, with `element_bytes` per element: 4 (fp32, what the
-    CPU trains in, and an upper bound under bf16) or 2 (bf16, the planner's GPU jobs). Per layer and
-    micro-batch s·b·d·(10 + 24/t + 5·h·s/(d·t)) bytes at 16 bits (Korthikanti et al. 2022, no sequence
-    parallelism), scaled by element_bytes / 2. Under training.activation_checkpointing, that paper's figures too:
-    `selective` drops the attention term (s·b·d·(10 + 24/t)), `full` keeps each layer's input (2·s·b·d)
-    and holds one layer's whole activations while it recomputes it. A pipeline's first stage holds
-    min(micro-batches, pp) micro-batches under 1F1B (interleaved counted alike) and all of them under
-    GPipe; plus the logits and their gradient. Sequence parallelism splits the 10 (norms, residual,
-    dropout: s·b·d·34/t with it, the paper's eq. 5), and the loss parallel keeps 1/t of the logits."""
+    """Activations kept for backward on the busiest rank: the tensors autograd keeps for Keel's block
+    (keel.trainer.model), counted the way Korthikanti et al. 2022 count GPT's, with `element_bytes` per
+    element of the training dtype: 4 (fp32, what the CPU trains in) or 2 (bf16). Per token of a micro-batch,
+    on one tp rank (u = tp under sequence parallelism, else 1):
+    - each RMSNorm keeps its fp32 input and its normalized value, (4 + e)·d/u, and its output feeds a
+      matmul that keeps it whole, e·d (under sequence parallelism: the all-gathered input);
+    - attention keeps rotated q and k, v and its output, e·(2d + 2·kv)/t, plus fp32 logsumexps, 4·heads/t:
+      scaled_dot_product_attention's flash kernels keep no attention scores, so Korthikanti's 5·a·s/h term
+      is gone (tests/test_plan_check.py holds this against measured runs);
+    - SwiGLU keeps the gate, its SiLU, the up projection and their product, 4·e·ffn/t.
+    `selective` checkpointing keeps the block's input, the matmuls' and attention's outputs instead, and holds
+    the rest of one layer while it recomputes it; `full` keeps the block's input and recomputes a whole layer.
+    Plus the backward's working set, the pipeline's stage outputs in flight, and on the last stage the final
+    norm and the logits (docs/planning.md)."""
+    par, args = cfg.parallel, model_args(cfg)
+    e, t, u = element_bytes, par.tp, par.tp if par.sequence_parallel else 1
+    d, kv, ffn, heads = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim, args.n_heads
+    norms = 2 * ((FP32 + e) * d / u + e * d)
+    attention_out = e * d / t + FP32 * heads / t  # the output and its logsumexps, which selective also keeps
+    whole_layer = norms + e * (d + 2 * kv) / t + attention_out + 4 * e * ffn / t
+    block_input = e * d / u
+    selective = block_input + e * (d + 2 * kv + 2 * ffn) / t + attention_out + 2 * e * d  # wo, w2: partial sums, whole
+    kept_again = block_input + e * (kv + 2 * ffn) / t + attention_out  # what the recomputation finds kept already
+    per_token = {"none": (whole_layer, 0.0), "selective": (selective, whole_layer - kept_again), "full": (block_input, whole_layer)}[
+        cfg.training.activation_checkpointing
+    ]
+    tokens = cfg.data.seq_len * cfg.microbatch_rows
+    kept, recomputing = per_token[0] * tokens, per_token[1] * tokens
+    layers = args.n_layers / par.pp
+    # The first pipeline stage holds the most micro-batches, and each one's output until its backward, plus
+    # the gradient that arrives for it; the last stage holds one micro-batch, the final norm and the logits:
+    # the logits, their log-softmax and the gradients of both, in fp32 (the loss casts them up), 1/t of
+    # them under the loss parallel.
+    vocab = padded_vocab_size(args.vocab_size, t) / (t if par.loss_parallel else 1)
+    # Under tp the peak comes in the backward, at a sub-block's all-reduce of its input's gradient: beside the
+    # kept activations, the gradients of the gate and the up projection, and that input gradient, summed from
+    # the matmuls and copied by the collective. Without tp it comes at the backward's start (the logits').
+    working = tokens * (2 * e * ffn / t + 3 * e * d) if t > 1 else 0
+    last = kept * layers + recomputing + working + tokens * (norms / 2 + 4 * FP32 * vocab)
+    if par.pp == 1:
+        return int(last)
+    first = kept * layers * _in_flight(cfg) + recomputing + working + tokens * e * d / u * (_in_flight(cfg) + 1)
+    return int(max(first, last))
+
+
+def korthikanti_activation_bytes(cfg: JobConfig, element_bytes: int = 2) -> int:
+    """The same, by Korthikanti et al. 2022's formulas for a GPT block (LayerNorm, GeLU, dropout, attention
+    scores kept): per layer and micro-batch s·b·d·(10 + 24/t + 5·h·s/(d·t)) bytes at 16 bits (eq. 2), scaled
+    by element_bytes / 2; sequence parallelism splits the 10 (eq. 4), `selective` drops the attention term
+    (eq. 5), `full` keeps each layer's input (2·s·b·d) and holds one layer's whole activations while it
+    recomputes it. What Megatron-LM's memory estimate assumes: `keel plan --activations korthikanti`."""
     par, tr, args = cfg.parallel, cfg.training, model_args(cfg)
     s, b, d, h, t = cfg.data.seq_len, cfg.microbatch_rows, args.dim, args.n_heads, par.tp
     scale = element_bytes / 2  # the paper's figures are bytes at 16 bits
@@ -124,9 +175,14 @@ def activation_bytes(cfg: JobConfig, element_bytes: int = 4) -> int:
         "selective": scale * s * b * d * (outside + 24 / t),
         "full": scale * 2 * s * b * d / (t if par.sequence_parallel else 1),
     }
+    # The paper leaves the head out: the logits and their gradient in fp32, 1/t of them under the loss parallel.
+    logits = 2 * FP32 * s * b * padded_vocab_size(args.vocab_size, t) / (t if par.loss_parallel else 1)
     recomputing = whole_layer if tr.activation_checkpointing == "full" else 0
-    in_flight = 1 if par.pp == 1 else tr.microbatches if par.pp_schedule == "GPipe" else min(tr.microbatches, par.pp)
-    # Gathered and padded, before the cut to the real vocabulary; each rank's own columns under the loss parallel.
-    # fp32 whatever the training dtype: the loss casts the logits up (keel.trainer.parallel.loss_fn).
-    logits = 2 * 4 * s * b * padded_vocab_size(args.vocab_size, t) / (t if par.loss_parallel else 1)
-    return int(kept_per_layer[tr.activation_checkpointing] * args.n_layers / par.pp * in_flight + recomputing + logits)
+    return int(kept_per_layer[tr.activation_checkpointing] * args.n_layers / par.pp * _in_flight(cfg) + recomputing + logits)
+
+
+def _in_flight(cfg: JobConfig) -> int:
+    """Micro-batches whose activations a pipeline's first stage holds at once: min(micro-batches, pp) under
+    1F1B (interleaved counted alike), all of them under GPipe; one without a pipeline."""
+    par, m = cfg.parallel, cfg.training.microbatches
+    return 1 if par.pp == 1 else m if par.pp_schedule == "GPipe" else min(m, par.pp)

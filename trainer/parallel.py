@@ -116,7 +116,8 @@ def _local_slice(value: torch.Tensor, p: DTensor) -> torch.Tensor:
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
     """Megatron-style: q/k/v and gate/up split by output column, attention out and down by input row,
-    so each block needs one all-reduce forward and one backward. The embedding is split by vocabulary
+    so each of a block's two sub-blocks needs one all-reduce forward (its output) and one backward (its
+    input's gradient). The embedding is split by vocabulary
     rows and the head by vocabulary columns; both are built padded to a multiple of 64 x tp rows
     (model_args.padded_vocab_size), so every rank holds an equal slice.
 
@@ -134,11 +135,13 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
         if sequence_parallel:
             for norm in ("attention_norm", "ffn_norm"):
                 plan[f"layers.{i}.{norm}"] = SequenceParallel()
-            # One all-gather of the sequence per sub-block, before q/k/v (gate/up) read it.
-            plan[f"layers.{i}.attention"] = PrepareModuleInput(
-                input_layouts=(rows, None, None), desired_input_layouts=(Replicate(), None, None)
-            )
-            plan[f"layers.{i}.feed_forward"] = PrepareModuleInput(input_layouts=(rows,), desired_input_layouts=(Replicate(),))
+        # Each sub-block's input becomes one replicated DTensor that q/k/v (gate/up) all read: in the backward
+        # their three (two) partial input gradients add up before a single all-reduce, Megatron's `f`. Under
+        # sequence parallelism it is also where the sequence is all-gathered (reduce-scattered backward).
+        plan[f"layers.{i}.attention"] = PrepareModuleInput(
+            input_layouts=(rows, None, None), desired_input_layouts=(Replicate(), None, None)
+        )
+        plan[f"layers.{i}.feed_forward"] = PrepareModuleInput(input_layouts=(rows,), desired_input_layouts=(Replicate(),))
         for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
             plan[f"layers.{i}.{name}"] = ColwiseParallel()
         plan[f"layers.{i}.attention.wo"] = RowwiseParallel(output_layouts=rows)

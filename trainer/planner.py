@@ -3,12 +3,13 @@
 Every layout Keel can run is enumerated (pp, dp, tp, virtual stages, dp mode, micro-batches, activation
 checkpointing, sequence parallelism) and kept to what `keel train` accepts (config.validate_layout). For
 each, with the shapes the trainer builds:
-- memory per GPU of the busiest rank: model states counted exactly and the FSDP copies gathered at the
-  peak (memory_model.busiest_rank_state_bytes), activations by Korthikanti et al. 2022 in bf16
-  (memory_model.activation_bytes);
+- memory per GPU of the busiest rank: model states counted exactly and what FSDP2 holds beside them at
+  the peak (memory_model.busiest_rank_state_bytes), the activations Keel's block keeps (memory_model.
+  activation_bytes; or Korthikanti et al. 2022's formulas, --activations korthikanti);
 - the pipeline bubble as a share of the step, (p-1)/(v·m + p-1) (Narayanan et al. 2021);
 - communication per GPU per step by kind, with ring collectives' per-GPU traffic, and its time on the
-  link it crosses: tp inside a node, dp and pp inside a node while the group fits in one;
+  link it crosses (its bandwidth, and its latency once per collective): tp inside a node, dp and pp inside a
+  node while the group fits in one;
 - step time, MFU and tokens/s.
 The layouts that fit are ranked by tokens/s. Conventions and sources: docs/planning.md.
 """
@@ -18,13 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
 from keel.trainer.config import ConfigError, JobConfig, load_config, validate_layout
 from keel.trainer.estimate import EstimateError, parse_count
 from keel.trainer.gpus import GPU_MEMORY_GIB, GPU_PEAK_BF16_FLOPS, gpu_kind
-from keel.trainer.memory_model import activation_bytes, busiest_rank_state_bytes, rank_model_states
+from keel.trainer.memory_model import activation_bytes, busiest_rank_state_bytes, korthikanti_activation_bytes, rank_model_states
 from keel.trainer.model_args import LLAMA3_VOCAB, MODEL_PRESETS, ModelArgs, count_params, flops_per_token, model_args
 
 BF16 = 2  # bytes: activations, TP and PP traffic, FSDP's all-gathers (its MixedPrecisionPolicy)
@@ -35,6 +37,9 @@ USABLE_MEMORY = 0.9  # of the GPU's memory: the rest goes to the CUDA context, N
 # on 8 H100s with FSDP alone, where nothing else costs: 39% MFU compiled (33% eager). --compute-efficiency
 # sets it from a run of your own: the MFU it measured where it waited for nothing.
 COMPUTE_EFFICIENCY = 0.40
+CPU = "cpu"  # Hardware.gpu of a CPU run (keel train --plan on CPU)
+ActivationModel = Callable[[JobConfig, int], int]  # (the layout, bytes an element) -> a rank's activation bytes
+ACTIVATION_MODELS: dict[str, ActivationModel] = {"keel": activation_bytes, "korthikanti": korthikanti_activation_bytes}
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,16 @@ class Hardware:
     intra_node_bytes_per_s: float  # achieved bus bandwidth of a collective inside a node (NVLink), per GPU
     inter_node_bytes_per_s: float  # ... across nodes (the GPU's network card)
     compute_efficiency: float = COMPUTE_EFFICIENCY
+    # What a collective costs before its first byte. Left at 0 for GPUs, where NCCL's few microseconds
+    # vanish beside the bytes; on CPU gloo's milliseconds count (`keel train --plan` measures them).
+    collective_latency_s: float = 0.0
+    # Whether data-parallel collectives run beside the compute (NCCL on its own stream); on CPU gloo's
+    # threads take the cores the compute runs on, and the collectives are counted whole.
+    overlaps_compute: bool = True
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.gpu != CPU
 
 
 @dataclass(frozen=True)
@@ -57,7 +72,7 @@ class Plan:
     fits: bool
     bubble: float  # share of the step the busiest pipeline rank idles
     comm_bytes: dict[str, float]  # per GPU per step: tp, dp, pp
-    comm_s: dict[str, float]  # their time on their link
+    comm_s: dict[str, float]  # their time on their link, with each collective's latency
     compute_s: float
     step_s: float
     mfu: float
@@ -66,6 +81,12 @@ class Plan:
     @property
     def memory_bytes(self) -> int:
         return self.state_bytes + self.activation_bytes
+
+    @property
+    def wait_share(self) -> float:
+        """The share of the step a GPU does not compute: exposed communication and the pipeline's idle slots.
+        What Keel's comm_share measures (the pipeline's idle time is spent waiting in its receives)."""
+        return 1 - self.compute_s / self.step_s
 
     def label(self) -> str:
         par, tr = self.cfg.parallel, self.cfg.training
@@ -110,57 +131,85 @@ def _variants(base: JobConfig, pp: int, dp: int, tp: int, batch: int):
                         yield replace(base, parallel=par, training=training)
 
 
-def plan(cfg: JobConfig, hw: Hardware) -> Plan:
-    """The memory, bubble, communication and time of cfg's layout on hw."""
-    par, tr, args = cfg.parallel, cfg.training, model_args(cfg)
-    s, b, d, m, v = cfg.data.seq_len, cfg.microbatch_rows, args.dim, tr.microbatches, par.pp_virtual_stages
-    states, activations = busiest_rank_state_bytes(cfg, gathered_bytes=BF16), activation_bytes(cfg, element_bytes=BF16)
-    tokens = tr.global_batch_size * s
-    model_flops = flops_per_token(args, s) * tokens
-    # Full checkpointing runs each block's forward twice: 8 of every 6 FLOPs of the blocks (the head is not
-    # recomputed, a few percent left out). Selective recomputes elementwise ops only.
-    recompute = 4 / 3 if tr.activation_checkpointing == "full" else 1.0
-    compute_s = model_flops * recompute / hw.gpus / (hw.peak_flops * hw.compute_efficiency)
+def element_bytes(cfg: JobConfig, hw: Hardware) -> int:
+    """Bytes of an activation, of a gathered weight, of a tp or pp message: bf16 where the job trains in
+    it (training.dtype, whose `auto` is bf16 on GPUs), else fp32."""
+    return BF16 if cfg.training.dtype == "bf16" or (cfg.training.dtype == "auto" and hw.on_gpu) else FP32
 
-    comm = _comm_bytes(cfg, s, b, d, m)
+
+def plan(cfg: JobConfig, hw: Hardware, activations: ActivationModel = activation_bytes) -> Plan:
+    """The memory, bubble, communication and time of cfg's layout on hw, its activations counted by
+    `activations` (Keel's block, or Korthikanti's formulas: ACTIVATION_MODELS)."""
+    par, tr, args = cfg.parallel, cfg.training, model_args(cfg)
+    e, v, m = element_bytes(cfg, hw), par.pp_virtual_stages, tr.microbatches
+    states, kept = busiest_rank_state_bytes(cfg, gathered_bytes=e), activations(cfg, e)
+    tokens = tr.global_batch_size * cfg.data.seq_len
+    model_flops = flops_per_token(args, cfg.data.seq_len) * tokens
+    compute_s = model_flops * recompute_factor(cfg) / hw.gpus / (hw.peak_flops * hw.compute_efficiency)
+
+    comm, calls = _comm_bytes(cfg, e), _collectives(cfg)
     links = _links(cfg, hw)
-    comm_s = {kind: comm[kind] / links[kind] for kind in comm}
+    comm_s = {kind: comm[kind] / links[kind] + calls[kind] * hw.collective_latency_s if comm[kind] else 0.0 for kind in comm}
     bubble = (par.pp - 1) / (v * m + par.pp - 1)
     busy = (compute_s + comm_s["tp"]) / (1 - bubble)  # the pipeline's idle slots stretch compute and tp alike
-    exposed_dp = max(0.0, comm_s["dp"] - compute_s)  # FSDP overlaps its collectives with the compute
+    exposed_dp = max(0.0, comm_s["dp"] - compute_s) if hw.overlaps_compute else comm_s["dp"]  # FSDP overlaps on GPUs
     step_s = busy + exposed_dp + comm_s["pp"]
     return Plan(
-        cfg, states, activations, states + activations <= USABLE_MEMORY * hw.memory_bytes, bubble, comm, comm_s, compute_s, step_s,
+        cfg, states, kept, states + kept <= USABLE_MEMORY * hw.memory_bytes, bubble, comm, comm_s, compute_s, step_s,
         model_flops / (hw.gpus * hw.peak_flops * step_s), tokens / step_s,
     )  # fmt: skip
 
 
-def _comm_bytes(cfg: JobConfig, s: int, b: int, d: int, m: int) -> dict[str, float]:
-    """Bytes one GPU sends per step, by kind. A ring all-reduce of X bytes over n ranks sends 2(n-1)/n·X
-    per rank, an all-gather or a reduce-scatter (n-1)/n·X."""
+def recompute_factor(cfg: JobConfig) -> float:
+    """The FLOPs a step runs per model FLOP. Full checkpointing runs each block's forward twice: 8 of every 6
+    FLOPs of the blocks (the head is not recomputed, a few percent left out). Selective recomputes
+    elementwise ops only."""
+    return 4 / 3 if cfg.training.activation_checkpointing == "full" else 1.0
+
+
+def _comm_bytes(cfg: JobConfig, e: int) -> dict[str, float]:
+    """Bytes one GPU sends per step, by kind, with e bytes an activation or gathered weight. A ring
+    all-reduce of X bytes over n ranks sends 2(n-1)/n·X per rank, an all-gather or a reduce-scatter (n-1)/n·X."""
     par, tr, args = cfg.parallel, cfg.training, model_args(cfg)
-    t, dp, pp = par.tp, par.dp, par.pp
-    layers = args.n_layers / pp
+    t, dp, pp, m = par.tp, par.dp, par.pp, tr.microbatches
+    activation = cfg.data.seq_len * cfg.microbatch_rows * args.dim * e  # one micro-batch's hidden states
     # TP: two all-reduces of the activations per block forward (after attention and after the MLP), two
     # backward; sequence parallelism makes each a reduce-scatter and an all-gather, the same bytes. Full
     # checkpointing repeats the forward's two.
-    per_block = (4 + (2 if tr.activation_checkpointing == "full" else 0)) * 2 * (t - 1) / t * s * b * d * BF16
-    tp_bytes = per_block * layers * m if t > 1 else 0.0
-    # DP over this rank's unsharded parameters (its pp stage, its tp shard).
+    per_block = (4 + (2 if tr.activation_checkpointing == "full" else 0)) * 2 * (t - 1) / t * activation
+    tp_bytes = per_block * args.n_layers / pp * m if t > 1 else 0.0
+    # DP over this rank's unsharded parameters (its pp stage, its tp shard); gradients reduced in fp32.
     held = rank_model_states(args, pp, 1, t, 0, 0, par.pp_virtual_stages).params
     if dp == 1:
         dp_bytes = 0.0
     elif par.dp_mode == "replicate":
         dp_bytes = 2 * (dp - 1) / dp * held * FP32  # gradients all-reduced
     else:
-        # zero3 gathers the weights for each forward and again for each backward (and per micro-batch under a
-        # pipeline, which runs the forwards and backwards of one unit apart); zero2 once; one reduce-scatter.
-        gathers = (2 * m if pp > 1 else 2) if par.dp_mode == "zero3" else 1
-        dp_bytes = (dp - 1) / dp * held * (gathers * BF16 + FP32)
+        dp_bytes = (dp - 1) / dp * held * (_gathers(cfg) * e + FP32)  # the gathers, one reduce-scatter
     # PP: each micro-batch's activations forward and their gradient back, at each of the v stage boundaries
     # a rank owns; each tp rank sends its own copy (its sequence slice under sequence parallelism).
-    pp_bytes = 2 * m * par.pp_virtual_stages * s * b * d * BF16 / (t if par.sequence_parallel else 1) if pp > 1 else 0.0
+    pp_bytes = 2 * m * par.pp_virtual_stages * activation / (t if par.sequence_parallel else 1) if pp > 1 else 0.0
     return {"tp": tp_bytes, "dp": dp_bytes, "pp": pp_bytes}
+
+
+def _gathers(cfg: JobConfig) -> int:
+    """How often FSDP2 gathers each weight in a step. zero3 reshards after each forward and backward, so it
+    gathers twice per micro-batch (an upper bound under a pipeline, whose schedule keeps a stage gathered
+    from its first backward on); zero2 keeps the weights from a forward to its backward: once per micro-batch,
+    once per step under a pipeline."""
+    m, pp = cfg.training.microbatches, cfg.parallel.pp
+    return 2 * m if cfg.parallel.dp_mode == "zero3" else 1 if pp > 1 else m
+
+
+def _collectives(cfg: JobConfig) -> dict[str, int]:
+    """Collectives one GPU takes part in per step, by kind: each pays the link's latency once."""
+    par, tr, args = cfg.parallel, cfg.training, model_args(cfg)
+    layers, m = args.n_layers / par.pp, tr.microbatches
+    per_block = (4 + (2 if tr.activation_checkpointing == "full" else 0)) * (2 if par.sequence_parallel else 1)
+    units = layers + 1  # FSDP2 gathers and reduces block by block, and the root unit
+    dp = 0 if par.dp == 1 else 1 if par.dp_mode == "replicate" else units * (_gathers(cfg) + 1)
+    return {"tp": int(per_block * layers * m) if par.tp > 1 else 0, "dp": int(dp),
+            "pp": 2 * m * par.pp_virtual_stages if par.pp > 1 else 0}  # fmt: skip
 
 
 def _links(cfg: JobConfig, hw: Hardware) -> dict[str, float]:
@@ -236,7 +285,9 @@ def hardware(opts, gpus: int | None = None) -> Hardware:
                     opts.intra_node_gbps * 1e9, opts.inter_node_gbps * 1e9, opts.compute_efficiency)  # fmt: skip
 
 
-def smallest_fitting(cfg: JobConfig, hw: Hardware, most_gpus: int = 32768) -> tuple[int, Plan] | None:
+def smallest_fitting(
+    cfg: JobConfig, hw: Hardware, activations: ActivationModel = activation_bytes, most_gpus: int = 32768
+) -> tuple[int, Plan] | None:
     """The fewest GPUs, in whole nodes, on which some layout fits, with the fastest plan there: doubling the
     node count until one fits (counts with many factors, where most layouts exist), then node by node
     between the last two. None up to `most_gpus`."""
@@ -246,7 +297,7 @@ def smallest_fitting(cfg: JobConfig, hw: Hardware, most_gpus: int = 32768) -> tu
         if states / gpus > USABLE_MEMORY * hw.memory_bytes:  # the model states alone, spread over every GPU
             return None
         bigger = replace(hw, gpus=gpus)
-        fitting = rank([plan(c, bigger) for c in candidates(cfg, bigger)])
+        fitting = rank([plan(c, bigger, activations) for c in candidates(cfg, bigger)])
         return fitting[0] if fitting else None
 
     node = hw.gpus_per_node
@@ -286,7 +337,7 @@ HEADER = (f"{'layout':<44} {'states':>7} {'activ.':>6} {'GiB':>6} {'bubble':>6} 
           f" {'step s':>7} {'MFU':>5} {'tokens/s':>10}")  # fmt: skip
 
 
-def _as_dict(p: Plan) -> dict:
+def plan_dict(p: Plan) -> dict:
     par, tr = p.cfg.parallel, p.cfg.training
     return {
         "layout": {"pp": par.pp, "dp": par.dp, "tp": par.tp, "pp_schedule": par.pp_schedule, "pp_virtual_stages": par.pp_virtual_stages,
@@ -294,7 +345,7 @@ def _as_dict(p: Plan) -> dict:
                    "activation_checkpointing": tr.activation_checkpointing},
         "memory_bytes": {"states": p.state_bytes, "activations": p.activation_bytes, "total": p.memory_bytes},
         "bubble": p.bubble, "comm_bytes": p.comm_bytes, "comm_s": p.comm_s, "compute_s": p.compute_s, "step_s": p.step_s,
-        "mfu": p.mfu, "tokens_per_s": p.tokens_per_s,
+        "wait_share": p.wait_share, "mfu": p.mfu, "tokens_per_s": p.tokens_per_s,
     }  # fmt: skip
 
 
@@ -317,6 +368,12 @@ def _parser():
         type=float,
         default=COMPUTE_EFFICIENCY,
         help=f"MFU when nothing waits (default {COMPUTE_EFFICIENCY}: TorchTitan's Llama 3 8B on 8 H100s)",
+    )
+    p.add_argument(
+        "--activations",
+        choices=ACTIVATION_MODELS,
+        default="keel",
+        help="keel: what Keel's block keeps (default); korthikanti: Korthikanti et al.'s GPT formulas, attention scores kept",
     )
     p.add_argument("--top", type=int, default=10, help="layouts shown (default 10)")
     p.add_argument("--json", action="store_true")
@@ -361,13 +418,14 @@ def main(argv: list[str]) -> int:
     except (ConfigError, EstimateError) as e:
         print(f"keel plan: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    plans = [plan(c, hw) for c in layouts]
+    activations = ACTIVATION_MODELS[opts.activations]
+    plans = [plan(c, hw, activations) for c in layouts]
     fitting = rank(plans)
-    fallback = None if fitting else smallest_fitting(cfg, hw)
+    fallback = None if fitting else smallest_fitting(cfg, hw, activations)
     if opts.json:
-        out = {"gpus": hw.gpus, "gpu": hw.gpu, "layouts": len(plans), "fitting": [_as_dict(p) for p in fitting[: opts.top]]}
+        out = {"gpus": hw.gpus, "gpu": hw.gpu, "layouts": len(plans), "fitting": [plan_dict(p) for p in fitting[: opts.top]]}
         if fallback:
-            out["smallest_fitting"] = {"gpus": fallback[0], "plan": _as_dict(fallback[1])}
+            out["smallest_fitting"] = {"gpus": fallback[0], "plan": plan_dict(fallback[1])}
         print(json.dumps(out, indent=2))
         return EXIT_OK
     args = model_args(cfg)

@@ -16,6 +16,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from keel.monitor.recorder import RunRecorder
 from keel.monitor.store import SLOWEST_RANKS
@@ -26,6 +27,22 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+ALLOCATED_PEAK_META = "mem_allocated_peak_bytes"
+
+
+def held_tensor_bytes(parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of this rank's parameters (its shards), gradients and optimizer state, each storage once: what
+    a step starts with, beside which its own allocations are counted (exposed_comm.allocated_peak_bytes)."""
+    tensors = [p for part in parts for p in part.parameters()]
+    tensors += [p.grad for p in tensors if p.grad is not None]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    storages = {}
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def gather_rows(row: list[float], device: torch.device, world: int) -> torch.Tensor:
@@ -84,6 +101,7 @@ class StepReporter:
         self.last_comm_share: float | None = 0.0 if world == 1 else None
         self.step_end = time.perf_counter()
         self.busy_s: list[float] = []
+        self.allocated_peaks = torch.full((world,), math.nan, dtype=torch.float64)  # per rank, over the profiled steps
 
     def restart_clock(self) -> None:
         """Time spent since the last step (a checkpoint save, a rollback) is not counted in the next step."""
@@ -101,11 +119,14 @@ class StepReporter:
         faults_fired: int = 0,
         skipped: bool = False,
         sampled: bool = False,
+        allocated_peak: int | None = None,
     ) -> tuple[dict, list[int]]:
         """Returns the agreed step row and the ranks that injected a fault this step (the same on every
         rank). `loss` is None on pipeline ranks without the last stage; `comm_time` None when not measured;
         `sampled`: a step whose per-rank rows are kept. Where communication was measured, also sets
-        `busy_s`: per rank, step time minus communication time (NaN for a rank that measured none)."""
+        `busy_s`: per rank, step time minus communication time (NaN for a rank that measured none).
+        `allocated_peak`: on a profiled CPU step, the most bytes of tensors this rank held (kept per rank
+        in the run's meta, ALLOCATED_PEAK_META, for `keel plan --check`)."""
         now = time.perf_counter()
         step_time, self.step_end = now - self.step_end, now
         mine = [
@@ -117,8 +138,10 @@ class StepReporter:
             float(peak_memory_bytes(self.device)),
             float(faults_fired),
             time.time(),
+            math.nan if allocated_peak is None else float(allocated_peak),
         ]
-        has_loss, losses, step_times, comm_times, data_times, mems, faults, clocks = gather_rows(mine, self.device, self.world).T
+        has_loss, losses, step_times, comm_times, data_times, mems, faults, clocks, allocated = gather_rows(mine, self.device, self.world).T
+        self._keep_allocated_peaks(allocated)
         slowest = float(step_times.max())  # a synchronous step is as slow as its slowest rank
         tokens_per_s = self.tokens_per_step / slowest
         mfu = tokens_per_s * self.flops_per_token / self.peak_flops_total
@@ -156,3 +179,10 @@ class StepReporter:
         if self.progress is not None:
             self.progress.update(step, row["loss"], tokens_per_s, mfu, self.last_comm_share, slowest)
         return row, torch.nonzero(faults > 0).flatten().tolist()
+
+    def _keep_allocated_peaks(self, allocated: torch.Tensor) -> None:
+        if torch.isnan(allocated).all():
+            return
+        self.allocated_peaks = torch.fmax(self.allocated_peaks, allocated)
+        if self.recorder is not None:
+            self.recorder.store.set_meta(ALLOCATED_PEAK_META, [None if math.isnan(b) else int(b) for b in self.allocated_peaks.tolist()])

@@ -36,9 +36,10 @@ from keel.trainer.model_args import flops_per_token, model_args
 from keel.trainer.optim import build_optimizer, clip_grads, lr_at, set_lr
 from keel.trainer.progress import ProgressLine
 from keel.trainer.recorder_setup import build_recorder
+from keel.trainer.run_plan import keep_plan_of_run
 from keel.trainer.stability import StabilityGuard, Verdict
 from keel.trainer.step import forward_backward
-from keel.trainer.step_metrics import StepReporter
+from keel.trainer.step_metrics import StepReporter, held_tensor_bytes
 from keel.trainer.watchdog import Watchdog, stalled_dumps
 
 log = logging.getLogger("keel.train")
@@ -71,6 +72,8 @@ class Trainer:
         last_step = _last_step_time(self.run_dir) if rank == 0 and self.restart_count else None
         if self.recorder is not None:
             self._record_run_start(peak_total, mfu_basis, oom_note)
+        if cfg.metrics.plan:
+            keep_plan_of_run(cfg, device, world, peak_total, self.recorder)
         self.watchdog.on_hang = self.incidents.hang
         self._build_recovery()
         self.step, self.exit_code = 0, EXIT_OK
@@ -249,17 +252,21 @@ class Trainer:
         set_lr(self.optimizer, lr)
         sampled = (step - 2) % cfg.metrics.comm_sample_every == 0  # per-rank rows kept; communication measured
         sample_comm = self.world > 1 and sampled
+        # On CPU a profiled step also measures memory: what it starts with, and what it allocates beyond that.
+        held = held_tensor_bytes(self.parts, self.optimizer) if sample_comm and self.device.type != "cuda" else 0
         try:
-            with exposed_comm.sampled_step(sample_comm, self.device.type == "cuda") as comm_seconds:
+            with exposed_comm.sampled_step(sample_comm, self.device.type == "cuda") as profiled:
                 loss, grad_norm, skipped = self._compute_and_update(inputs, targets)
         except torch.OutOfMemoryError:
             self.recover_oom(batch_index)
             return None
         self.faults.end_step()
         self.faults.before_collective()
+        allocated = profiled.allocated_peak_bytes()
         row, fault_ranks = self.reporter.report(
-            step, self.attempt, lr, grad_norm, loss, data_time, comm_seconds(), len(self.faults.fired), skipped, sampled
-        )
+            step, self.attempt, lr, grad_norm, loss, data_time, profiled.comm_seconds(), len(self.faults.fired), skipped, sampled,
+            None if allocated is None else held + allocated,
+        )  # fmt: skip
         self.watchdog.step_finished(row["step_time_s"])
         if not self.timeouts_tight:
             set_collective_timeout(self.layout, self.tight_timeout_s)
