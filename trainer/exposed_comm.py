@@ -16,6 +16,7 @@ import contextlib
 import os
 import sys
 
+import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -117,9 +118,12 @@ def _stderr_silenced():
 
 
 def warm_up_profiler(cuda: bool) -> None:
-    """The first profiler start of a process costs about a second; pay it before the first step."""
-    with _stderr_silenced(), profile(activities=_activities(cuda)):
-        pass
+    """The first profiler start of a process costs about a second; pay it before the first step. On CPU it
+    also frees, while recording memory, a block allocated before: c10's allocator warns of each such free
+    (once in a thousand), and its first warning goes here, to /dev/null, not to the user's console."""
+    before = torch.empty(1)
+    with _stderr_silenced(), profile(activities=_activities(cuda), profile_memory=not cuda):
+        del before
 
 
 def _activities(cuda: bool) -> list[ProfilerActivity]:
@@ -141,9 +145,8 @@ def allocated_peak_bytes(prof: profile) -> int:
 
 
 class StepProfile:
-    """What a sampled step measured, read after the step: its exposed communication seconds and, on CPU,
-    its allocated peak (both None when the step was not profiled; the peak None on GPU, whose allocator
-    keeps its own, torch.cuda.max_memory_allocated)."""
+    """What a sampled step measured, read after the step: its exposed communication seconds and, where its
+    memory was recorded, its allocated peak (None when not measured)."""
 
     def __init__(self, prof: profile | None, memory: bool):
         self._prof, self._memory = prof, memory
@@ -156,18 +159,18 @@ class StepProfile:
 
 
 @contextlib.contextmanager
-def sampled_step(enabled: bool, cuda: bool):
-    """Profiles the enclosed step when enabled (on CPU, with its memory too); yields a StepProfile to be read
-    after the block."""
+def sampled_step(enabled: bool, cuda: bool, memory: bool = False):
+    """Profiles the enclosed step when enabled (its CPU memory too, when `memory`); yields a StepProfile to
+    be read after the block."""
     if not enabled:
         yield StepProfile(None, memory=False)
         return
-    prof = profile(activities=_activities(cuda), profile_memory=not cuda)
+    prof = profile(activities=_activities(cuda), profile_memory=memory)
     with _stderr_silenced():
         prof.start()
     try:
         with record_function(STEP_MARK):
-            yield StepProfile(prof, memory=not cuda)
+            yield StepProfile(prof, memory=memory)
     finally:
         with _stderr_silenced():
             prof.stop()

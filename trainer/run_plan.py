@@ -50,7 +50,15 @@ def run_hardware(device: torch.device, world: int, peak_flops_total: float) -> H
 def plan_run(cfg: JobConfig, hw: Hardware) -> tuple[Plan, dict]:
     """The plan of cfg's layout on hw, and what the run keeps of it."""
     estimate = plan(cfg, hw)
-    return estimate, {"hardware": asdict(hw), "plan": plan_dict(estimate)}
+    return estimate, {"hardware": asdict(hw), "plan": plan_dict(estimate), "cpu_cores": os.cpu_count()}
+
+
+def shared_cores(hw: Hardware, cores: int | None) -> str | None:
+    """A warning when a CPU run's ranks outnumber the machine's cores: the planner gives each rank a device
+    of its own, and a rank that waits then lends its core to another instead of idling."""
+    if hw.on_gpu or cores is None or hw.gpus_per_node <= cores:
+        return None
+    return f"note: {hw.gpus_per_node} ranks share {cores} cores here; the planner gives each a device of its own, so its times do not hold"
 
 
 def keep_plan_of_run(cfg: JobConfig, device: torch.device, world: int, peak_flops_total: float, recorder) -> None:
@@ -60,7 +68,7 @@ def keep_plan_of_run(cfg: JobConfig, device: torch.device, world: int, peak_flop
     if recorder is None:
         return
     estimate, kept = plan_run(cfg, hw)
-    print(announce(estimate, hw), flush=True)
+    print("\n".join(filter(None, [announce(estimate, hw), shared_cores(hw, kept["cpu_cores"])])), flush=True)
     recorder.store.set_meta(PLAN_META, kept)
 
 
@@ -129,6 +137,7 @@ def check(run_dir: Path, compute_efficiency: float | None = None) -> dict:
             "bubble": estimate.bubble,
         },
         "measured": got,
+        "note": shared_cores(hw, meta[PLAN_META].get("cpu_cores")),
         "achieved_compute_efficiency": got["mfu"] * recompute_factor(cfg) / (1 - waited),
     }
 
@@ -156,7 +165,7 @@ def report(result: dict) -> str:
         f"(planned: {result['hardware']['compute_efficiency']:.0%}); plan with --compute-efficiency "
         f"{result['achieved_compute_efficiency']:.2f} on this machine"
     )
-    return "\n".join(lines)
+    return "\n".join(lines + ([result["note"]] if result["note"] else []))
 
 
 def _parser() -> argparse.ArgumentParser:

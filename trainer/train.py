@@ -76,7 +76,7 @@ class Trainer:
             keep_plan_of_run(cfg, device, world, peak_total, self.recorder)
         self.watchdog.on_hang = self.incidents.hang
         self._build_recovery()
-        self.step, self.exit_code = 0, EXIT_OK
+        self.step, self.exit_code, self.memory_measured = 0, EXIT_OK, False
         if self.resuming:
             self._resume(last_step)
         if self.recorder is not None and self.exit_code == EXIT_OK:
@@ -252,10 +252,12 @@ class Trainer:
         set_lr(self.optimizer, lr)
         sampled = (step - 2) % cfg.metrics.comm_sample_every == 0  # per-rank rows kept; communication measured
         sample_comm = self.world > 1 and sampled
-        # On CPU a profiled step also measures memory: what it starts with, and what it allocates beyond that.
-        held = held_tensor_bytes(self.parts, self.optimizer) if sample_comm and self.device.type != "cuda" else 0
+        # On CPU the first profiled step of a process also measures memory, as the GPU's allocator does: what
+        # the step starts with, and the most it allocates beyond that. The steps that follow hold the same.
+        measure_memory = sample_comm and self.device.type != "cuda" and not self.memory_measured
+        held = held_tensor_bytes(self.parts, self.optimizer) if measure_memory else 0
         try:
-            with exposed_comm.sampled_step(sample_comm, self.device.type == "cuda") as profiled:
+            with exposed_comm.sampled_step(sample_comm, self.device.type == "cuda", measure_memory) as profiled:
                 loss, grad_norm, skipped = self._compute_and_update(inputs, targets)
         except torch.OutOfMemoryError:
             self.recover_oom(batch_index)
@@ -263,6 +265,7 @@ class Trainer:
         self.faults.end_step()
         self.faults.before_collective()
         allocated = profiled.allocated_peak_bytes()
+        self.memory_measured = self.memory_measured or allocated is not None
         row, fault_ranks = self.reporter.report(
             step, self.attempt, lr, grad_norm, loss, data_time, profiled.comm_seconds(), len(self.faults.fired), skipped, sampled,
             None if allocated is None else held + allocated,
