@@ -25,10 +25,10 @@ from pathlib import Path
 
 from keel.trainer.run_plan import check
 
-# The layouts whose tolerances tests/test_plan_check.py holds, and three more.
+# The layouts whose tolerances tests/test_plan_check.py holds, and four more.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_plan_check import LAYOUTS as HELD  # noqa: E402
-from test_plan_check import PIPELINED  # noqa: E402
+from test_plan_check import PIPELINED as HELD_PIPELINED  # noqa: E402
 
 LAYOUTS = {
     **HELD,
@@ -40,6 +40,7 @@ LAYOUTS = {
         "--training.microbatches=4",
         "--training.activation_checkpointing=selective",
     ),
+    "pp2 dp2 zero3 m2": ("--pp=2", "--dp=2", "--tp=1", "--training.microbatches=2"),
     "tp2 m4 SP+LP": (
         "--pp=1",
         "--dp=1",
@@ -49,6 +50,7 @@ LAYOUTS = {
         "--parallel.loss_parallel=true",
     ),  # fmt: skip
 }
+PIPELINED = (*HELD_PIPELINED, "pp2 dp2 zero3 m2")  # the step waits on the pipeline above all
 
 
 def run(run_dir: Path, seq_len: int, layout: tuple[str, ...]) -> None:
