@@ -225,7 +225,7 @@ def free_memory(device: torch.device) -> tuple[int, str]:
 
 def memory(cfg: JobConfig, device: torch.device, world: int, limit: int | None) -> Check:
     # The planner's memory model (keel plan), in the dtype this job trains in on this device.
-    element = 2 if parallel.mixed_precision(cfg, device)[0] else 4
+    element = 2 if cfg.training.bf16(on_gpu=device.type == "cuda") else 4
     states, activations = busiest_rank_state_bytes(cfg, gathered_bytes=element), activation_bytes(cfg, element_bytes=element)
     need = states + activations
     free, basis = (limit, "--memory-limit-bytes") if limit is not None else free_memory(device)

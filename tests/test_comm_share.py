@@ -1,6 +1,7 @@
 """comm_share measured on a controlled collective: two real gloo processes, one of which sleeps X ms before
 an all-reduce. The other waits those X ms inside the all-reduce, and that wait is exactly the exposed
-communication Keel's profiler-based measure must report (the sleeper's own share stays small)."""
+communication Keel's profiler-based measure must report (the sleeper's own share stays small). And the memory
+peak the same profile measures on CPU, on allocations of known sizes."""
 
 from __future__ import annotations
 
@@ -52,3 +53,21 @@ def test_the_peer_of_a_rank_that_sleeps_x_before_an_all_reduce_has_x_of_exposed_
     waiter, sleeper = (json.loads(open(f"{out}.{rank}").read()) for rank in (0, 1))
     assert SLEEP_S * 0.9 < waiter < SLEEP_S * 1.3, waiter
     assert sleeper < SLEEP_S * 0.2, sleeper
+
+
+def test_a_profiled_steps_memory_peak_is_what_it_started_with_plus_the_most_it_held():
+    """The CPU counterpart of torch.cuda.max_memory_allocated: 8 MiB and 4 MiB held together, the 8 freed
+    and 2 more taken, is a peak of 12 MiB above the bytes the step started with; a tensor from before the
+    step, freed inside it, does not lower it."""
+    mib = 2**20
+    before = torch.empty(mib // 4)
+    warm_up_profiler(cuda=False)
+    with sampled_step(True, cuda=False, memory_from=5 * mib) as step:
+        a, b = torch.empty(2 * mib), torch.empty(mib)  # float32: 8 and 4 MiB
+        del a, before
+        c = torch.empty(mib // 2)
+    assert step.memory_peak_bytes() == 5 * mib + 12 * mib
+    assert b.numel() + c.numel() > 0
+    with sampled_step(True, cuda=False) as unmeasured:
+        torch.empty(mib)
+    assert unmeasured.memory_peak_bytes() is None

@@ -89,6 +89,10 @@ class TrainingConfig:
     activation_checkpointing: ActivationCheckpointing = "none"  # recompute in the backward instead of keeping
     compile: bool = False  # torch.compile each transformer block (inductor; its first step compiles)
 
+    def bf16(self, on_gpu: bool) -> bool:
+        """Whether the job trains in bf16 mixed precision on this kind of device (`auto`: on GPUs)."""
+        return self.dtype == "bf16" or (self.dtype == "auto" and on_gpu)
+
     def validate(self) -> None:
         at_least("training.steps", self.steps, 1)
         at_least("training.microbatches", self.microbatches, 1)

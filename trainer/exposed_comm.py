@@ -146,31 +146,33 @@ def allocated_peak_bytes(prof: profile) -> int:
 
 class StepProfile:
     """What a sampled step measured, read after the step: its exposed communication seconds and, where its
-    memory was recorded, its allocated peak (None when not measured)."""
+    memory was recorded, its peak: the bytes it started with plus its allocated peak (None when not measured)."""
 
-    def __init__(self, prof: profile | None, memory: bool):
-        self._prof, self._memory = prof, memory
+    def __init__(self, prof: profile | None, memory_from: int | None):
+        self._prof, self._memory_from = prof, memory_from
 
     def comm_seconds(self) -> float | None:
         return None if self._prof is None else exposed_comm_seconds(self._prof)
 
-    def allocated_peak_bytes(self) -> int | None:
-        return allocated_peak_bytes(self._prof) if self._prof is not None and self._memory else None
+    def memory_peak_bytes(self) -> int | None:
+        if self._prof is None or self._memory_from is None:
+            return None
+        return self._memory_from + allocated_peak_bytes(self._prof)
 
 
 @contextlib.contextmanager
-def sampled_step(enabled: bool, cuda: bool, memory: bool = False):
-    """Profiles the enclosed step when enabled (its CPU memory too, when `memory`); yields a StepProfile to
-    be read after the block."""
+def sampled_step(enabled: bool, cuda: bool, memory_from: int | None = None):
+    """Profiles the enclosed step when enabled, and its CPU memory too when `memory_from` (the bytes of the
+    tensors the step starts with) is given; yields a StepProfile to be read after the block."""
     if not enabled:
-        yield StepProfile(None, memory=False)
+        yield StepProfile(None, None)
         return
-    prof = profile(activities=_activities(cuda), profile_memory=memory)
+    prof = profile(activities=_activities(cuda), profile_memory=memory_from is not None)
     with _stderr_silenced():
         prof.start()
     try:
         with record_function(STEP_MARK):
-            yield StepProfile(prof, memory=memory)
+            yield StepProfile(prof, memory_from)
     finally:
         with _stderr_silenced():
             prof.stop()

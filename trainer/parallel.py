@@ -222,7 +222,7 @@ def uses_fsdp(cfg: JobConfig) -> bool:
 def mixed_precision(cfg: JobConfig, device: torch.device) -> tuple[bool, AbstractContextManager]:
     """(bf16 on?, the context the forward runs in). training.dtype=auto means bf16 on CUDA, fp32 on CPU.
     FSDP applies bf16 itself (its MixedPrecisionPolicy); everything else gets autocast."""
-    bf16 = cfg.training.dtype == "bf16" or (cfg.training.dtype == "auto" and device.type == "cuda")
+    bf16 = cfg.training.bf16(on_gpu=device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and not uses_fsdp(cfg) else nullcontext()
     return bf16, autocast
 

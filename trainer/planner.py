@@ -134,7 +134,7 @@ def _variants(base: JobConfig, pp: int, dp: int, tp: int, batch: int):
 def element_bytes(cfg: JobConfig, hw: Hardware) -> int:
     """Bytes of an activation, of a gathered weight, of a tp or pp message: bf16 where the job trains in
     it (training.dtype, whose `auto` is bf16 on GPUs), else fp32."""
-    return BF16 if cfg.training.dtype == "bf16" or (cfg.training.dtype == "auto" and hw.on_gpu) else FP32
+    return BF16 if cfg.training.bf16(hw.on_gpu) else FP32
 
 
 def plan(cfg: JobConfig, hw: Hardware, activations: ActivationModel = activation_bytes) -> Plan:
@@ -173,10 +173,8 @@ def _comm_bytes(cfg: JobConfig, e: int) -> dict[str, float]:
     par, tr, args = cfg.parallel, cfg.training, model_args(cfg)
     t, dp, pp, m = par.tp, par.dp, par.pp, tr.microbatches
     activation = cfg.data.seq_len * cfg.microbatch_rows * args.dim * e  # one micro-batch's hidden states
-    # TP: two all-reduces of the activations per block forward (after attention and after the MLP), two
-    # backward; sequence parallelism makes each a reduce-scatter and an all-gather, the same bytes. Full
-    # checkpointing repeats the forward's two.
-    per_block = (4 + (2 if tr.activation_checkpointing == "full" else 0)) * 2 * (t - 1) / t * activation
+    # TP: all-reduces of the activations (sequence parallelism's reduce-scatter and all-gather pairs: the same bytes).
+    per_block = _tp_all_reduces_per_block(cfg) * 2 * (t - 1) / t * activation
     tp_bytes = per_block * args.n_layers / pp * m if t > 1 else 0.0
     # DP over this rank's unsharded parameters (its pp stage, its tp shard); gradients reduced in fp32.
     held = rank_model_states(args, pp, 1, t, 0, 0, par.pp_virtual_stages).params
@@ -201,11 +199,17 @@ def _gathers(cfg: JobConfig) -> int:
     return 2 * m if cfg.parallel.dp_mode == "zero3" else 1 if pp > 1 else m
 
 
+def _tp_all_reduces_per_block(cfg: JobConfig) -> int:
+    """Two forward (after attention and after the MLP), two backward (their inputs' gradients, Megatron's
+    `f`); full checkpointing repeats the forward's two."""
+    return 4 + (2 if cfg.training.activation_checkpointing == "full" else 0)
+
+
 def _collectives(cfg: JobConfig) -> dict[str, int]:
     """Collectives one GPU takes part in per step, by kind: each pays the link's latency once."""
     par, tr, args = cfg.parallel, cfg.training, model_args(cfg)
     layers, m = args.n_layers / par.pp, tr.microbatches
-    per_block = (4 + (2 if tr.activation_checkpointing == "full" else 0)) * (2 if par.sequence_parallel else 1)
+    per_block = _tp_all_reduces_per_block(cfg) * (2 if par.sequence_parallel else 1)  # SP: a reduce-scatter and an all-gather each
     units = layers + 1  # FSDP2 gathers and reduces block by block, and the root unit
     dp = 0 if par.dp == 1 else 1 if par.dp_mode == "replicate" else units * (_gathers(cfg) + 1)
     return {"tp": int(per_block * layers * m) if par.tp > 1 else 0, "dp": int(dp),

@@ -255,20 +255,20 @@ class Trainer:
         # On CPU the first profiled step of a process also measures memory, as the GPU's allocator does: what
         # the step starts with, and the most it allocates beyond that. The steps that follow hold the same.
         measure_memory = sample_comm and self.device.type != "cuda" and not self.memory_measured
-        held = held_tensor_bytes(self.parts, self.optimizer) if measure_memory else 0
+        held = held_tensor_bytes(self.parts, self.optimizer) if measure_memory else None
         try:
-            with exposed_comm.sampled_step(sample_comm, self.device.type == "cuda", measure_memory) as profiled:
+            with exposed_comm.sampled_step(sample_comm, self.device.type == "cuda", held) as profiled:
                 loss, grad_norm, skipped = self._compute_and_update(inputs, targets)
         except torch.OutOfMemoryError:
             self.recover_oom(batch_index)
             return None
         self.faults.end_step()
         self.faults.before_collective()
-        allocated = profiled.allocated_peak_bytes()
-        self.memory_measured = self.memory_measured or allocated is not None
+        memory_peak = profiled.memory_peak_bytes()
+        self.memory_measured = self.memory_measured or memory_peak is not None
         row, fault_ranks = self.reporter.report(
             step, self.attempt, lr, grad_norm, loss, data_time, profiled.comm_seconds(), len(self.faults.fired), skipped, sampled,
-            None if allocated is None else held + allocated,
+            memory_peak,
         )  # fmt: skip
         self.watchdog.step_finished(row["step_time_s"])
         if not self.timeouts_tight:
