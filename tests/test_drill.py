@@ -93,8 +93,12 @@ def test_a_straggler_is_named_in_a_dp2_drill(tmp_path):
     assert len(measured) >= 5 and len(ranks) == 2 * len(measured)
     assert set(zip(ranks.step, ranks.attempt)) == set(zip(measured.step, measured.attempt))
     assert (steps.step_time_min_s <= steps.step_time_median_s).all() and (steps.step_time_median_s <= steps.step_time_s).all()
-    straggled = measured[measured.step >= 10]
-    assert (straggled.slowest_ranks.str.split(",").str[0] == "1").all(), straggled.slowest_ranks.tolist()
+    # Rank 1 is the slowest from the fault on, except where rank 0 does its own work for a checkpoint: it
+    # seals and records a save in the two steps after it (a loaded machine once made that 330 ms, more than
+    # the straggler's sleep).
+    saves = read_events(r["run_dir"]).query("kind == 'checkpoint_saved'").step.tolist()
+    straggled = measured[(measured.step >= 10) & ~measured.step.map(lambda s: any(0 < s - e <= 2 for e in saves))]
+    assert len(straggled) >= 3 and (straggled.slowest_ranks.str.split(",").str[0] == "1").all(), straggled.slowest_ranks.tolist()
     # Rank 0 waits for it inside the collectives: the longest wait, the one comm_share_max reports (the
     # alert's input), is rank 0's, and above the ranks' mean.
     waits = ranks.set_index(["step", "rank"]).comm_time_s.unstack()
