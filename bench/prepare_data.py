@@ -71,7 +71,9 @@ def run_child(cmd: list[str]) -> tuple[float, float, str]:
 
 def keel_prepare(out: Path, files: list[Path], tokenizer: Path) -> tuple[float, float]:
     """(tokens per second, peak MiB) of `keel prepare-data --tokenizer`."""
-    wall, peak, _ = run_child([sys.executable, "-m", "keel.cli", "prepare-data", str(out), *map(str, files), "--tokenizer", str(tokenizer)])
+    wall, peak, _ = run_child(
+        [sys.executable, "-m", "keel.cli", "prepare-data", str(out), *map(str, files), "--tokenizer", str(tokenizer), "--force"]
+    )
     return json.loads(Path(f"{out}.json").read_text())["tokens"] / wall, peak
 
 

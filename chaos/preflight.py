@@ -22,9 +22,8 @@ from pathlib import Path
 
 from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from keel.trainer.config import ConfigError, JobConfig, check_run_dir
-from keel.trainer.data import open_tokens
+from keel.trainer.data import open_job_tokens
 from keel.trainer.launch import parse_train_args, resolve_run_dir, torchrun_command, worker_env
-from keel.trainer.model_args import model_args
 
 RESULTS_FILE = "preflight.json"
 WORKER_MODULE = "keel.chaos.preflight_worker"
@@ -112,7 +111,7 @@ def main(argv: list[str]) -> int:
         resolve_run_dir(cfg)
         check_run_dir(cfg.run.run_dir)
         # A missing, empty or too-wide data file fails here, once, not in every worker.
-        open_tokens(cfg.data.source, cfg.data.seq_len, model_args(cfg).vocab_size)
+        open_job_tokens(cfg)
         cmd = worker_command(cfg, train_opts, opts.timeout, [*argv, f"--run.run_id={cfg.run.run_id}", f"--run.run_dir={cfg.run.run_dir}"])
     except ConfigError as e:
         print(f"keel preflight: error: {e}", file=sys.stderr)

@@ -30,7 +30,7 @@ from keel.monitor.exits import EXIT_FAILED, EXIT_OK
 from keel.monitor.run_dir import CHECKPOINT_DIR
 from keel.trainer import parallel
 from keel.trainer.config import JobConfig
-from keel.trainer.data import BatchSampler, open_tokens
+from keel.trainer.data import BatchSampler, open_job_tokens
 from keel.trainer.distributed import PROBE_BYTES, init_distributed, probe_link
 from keel.trainer.launch import parse_train_args
 from keel.trainer.memory_model import activation_bytes, busiest_rank_state_bytes
@@ -260,7 +260,7 @@ def overfit(cfg: JobConfig, layout: parallel.Layout, device: torch.device, world
     parts = parallel.build_model_parts(cfg, model_args(cfg), layout, device, bf16)
     schedule = parallel.build_schedule(cfg, parts, layout, device, parallel.loss_fn) if layout.pp > 1 else None
     optimizer = build_optimizer(parts, cfg.optim)
-    source = open_tokens(cfg.data.source, cfg.data.seq_len, model_args(cfg).vocab_size)
+    source = open_job_tokens(cfg)
     sampler = BatchSampler(source.tokens, cfg.data.seq_len, cfg.training.global_batch_size, layout.dp_rank, layout.dp, cfg.training.seed)
     inputs, targets = (torch.from_numpy(a).to(device) for a in sampler.next_batch())
     t0, losses = time.perf_counter(), []

@@ -5,19 +5,24 @@ Sources, each read as one flat array of token ids, never converted or loaded who
   Keel is installed, so every example and test can train without a network.
 - a token file made by `keel prepare-data` (uint16 or uint32 with a JSON sidecar), or a plain nanoGPT
   uint16 .bin (keel.trainer.token_files);
-- a Megatron-LM indexed dataset, PREFIX.bin + PREFIX.idx, named by its prefix or its .bin
+- an llm.c / modded-nanogpt shard: a header of 256 int32 (magic, version, token count), then the ids;
+- a Megatron-LM indexed dataset, PREFIX.bin + PREFIX.idx, named by its prefix, its .bin or its .idx
   (keel.trainer.megatron_index).
 
-`open_tokens` refuses data whose vocabulary does not fit the model's, before any worker starts.
+A file without a sidecar or a header cannot prove its layout, so it is read as nanoGPT's uint16 only when
+it shows none of the marks of something else (a known magic, text, 32-bit ids).
+`open_tokens` refuses data whose vocabulary or tokenizer is not the model's, before any worker starts.
 The sampler is a pure function of (seed, batch_index, dp rank) whatever the source: resuming from a
 checkpoint, skipping bad batches and changing the dp degree all see exactly the same global batches.
 """
 
 from __future__ import annotations
 
+import codecs
 import functools
 import hashlib
 import os
+import re
 import sys
 import sysconfig
 from collections.abc import Callable
@@ -26,13 +31,19 @@ from pathlib import Path
 
 import numpy as np
 
-from keel.trainer.config import ConfigError
+from keel.monitor.hashing import sha256_file
+from keel.trainer.config import ConfigError, JobConfig
 from keel.trainer.megatron_index import megatron_paths, read_index
-from keel.trainer.token_files import FILE_DTYPES, check_sidecar, read_sidecar, scan_tokens, sidecar_path
+from keel.trainer.token_files import FILE_DTYPES, check_sidecar, foreign_format, read_head, read_sidecar, scan_tokens, sidecar_path
 from keel.trainer.token_files import write_token_file as write_token_file  # re-exported: the byte writer tests use
 
 BYTE_VOCAB_SIZE = 256
 BUILTIN_MAX_BYTES = 4 * 1024 * 1024
+# llm.c's shards (dev/data/data_common.py, read as such by modded-nanogpt): magic -> (version, token dtype).
+LLMC_SHARDS = {20240520: (1, "<u2"), 20240801: (7, "<u4")}
+LLMC_HEADER_BYTES = 256 * 4
+CONTROL_BYTES = re.compile(rb"[\x00-\x08\x0b\x0e-\x1f\x7f]")  # in no text file; ids below 2,304 put one in every uint16
+WIDE_ID_CHECK = 1 << 20  # uint16 values looked at for the high halves of 32-bit ids
 
 
 @dataclass(frozen=True)
@@ -43,26 +54,68 @@ class TokenSource:
     vocab_size: int  # the smallest model vocabulary that holds every id: the tokenizer's, else the largest id + 1
     vocab_origin: str  # why vocab_size is what it is, for the error that refuses a smaller model
     eod_id: int | None = None  # the end-of-document id, when the source says
+    tokenizer: dict | None = None  # the sidecar's tokenizer identity; None when the source records none
 
     @property
     def dtype(self) -> str:
         return self.tokens.dtype.name
 
 
-def open_tokens(source: str, seq_len: int, vocab_size: int) -> TokenSource:
-    """Opens `source` and checks it holds at least one sequence of ids a model of `vocab_size` can embed."""
+def open_job_tokens(cfg: JobConfig) -> TokenSource:
+    """The job's token source, checked against its model and, when data.tokenizer names one, its tokenizer."""
+    from keel.trainer.model_args import model_args  # here: model_args imports the config, as this module does
+
+    return open_tokens(cfg.data.source, cfg.data.seq_len, model_args(cfg).vocab_size, cfg.data.tokenizer or None)
+
+
+def open_tokens(source: str, seq_len: int, vocab_size: int, tokenizer: str | None = None) -> TokenSource:
+    """Opens `source` and checks it holds at least one sequence of ids a model of `vocab_size` can embed, made
+    with the tokenizer file `tokenizer` when one is named."""
     ts = _builtin_tokens() if source == "builtin" else _file_tokens(source)
-    if ts.vocab_size > vocab_size:
-        raise ConfigError(
-            f"data.source={source}: {ts.vocab_origin} need model.vocab_size >= {ts.vocab_size}; the model has {vocab_size} "
-            f"(set --model.vocab_size={ts.vocab_size} or more)"
-        )
+    _check_vocab(source, ts, vocab_size)
+    if tokenizer is not None:
+        _check_tokenizer(source, ts, tokenizer)
     if len(ts.tokens) < seq_len + 1:
         raise ConfigError(
             f"data.source={source}: {len(ts.tokens)} tokens is fewer than data.seq_len+1={seq_len + 1}; "
             f"lower data.seq_len or use a larger data.source"
         )
     return ts
+
+
+def _check_vocab(source: str, ts: TokenSource, vocab_size: int) -> None:
+    if ts.vocab_size > vocab_size:
+        raise ConfigError(
+            f"data.source={source}: {ts.vocab_origin} need model.vocab_size >= {ts.vocab_size}; the model has {vocab_size} "
+            f"(set --model.vocab_size={ts.vocab_size} or more)"
+        )
+    # A sidecar knows the tokenizer's exact vocabulary, so a model built for another one is another tokenizer.
+    if ts.tokenizer is not None and ts.vocab_size != vocab_size:
+        raise ConfigError(
+            f"data.source={source}: it was made with a tokenizer of {ts.vocab_size:,} tokens ({_tokenizer_name(ts.tokenizer)}) and the model's vocabulary is {vocab_size:,}, "
+            f"so the job expects another tokenizer; set --model.vocab_size={ts.vocab_size} (Keel pads the embedding itself) or make the data with the model's tokenizer"
+        )
+
+
+def _check_tokenizer(source: str, ts: TokenSource, tokenizer: str) -> None:
+    if ts.tokenizer is None:
+        raise ConfigError(
+            f"data.tokenizer={tokenizer}: data.source={source} records no tokenizer (only the sidecar of `keel prepare-data` does), so it cannot be checked; "
+            f"make the data with `keel prepare-data OUT.bin FILES... --tokenizer {tokenizer}` or unset data.tokenizer"
+        )
+    if not Path(tokenizer).is_file():
+        raise ConfigError(f"data.tokenizer={tokenizer}: file not found; name the tokenizer.json the job expects")
+    digest = sha256_file(Path(tokenizer))
+    recorded = ts.tokenizer.get("sha256", "")
+    if digest != recorded:
+        raise ConfigError(
+            f"data.tokenizer={tokenizer}: data.source={source} was made with another tokenizer ({_tokenizer_name(ts.tokenizer)}, sha256 {recorded[:16] or 'none'}; "
+            f"this one is {digest[:16]}); make the data with `keel prepare-data OUT.bin FILES... --tokenizer {tokenizer}` or name the tokenizer it was made with"
+        )
+
+
+def _tokenizer_name(identity: dict) -> str:
+    return identity.get("file", identity.get("kind", "?"))
 
 
 @functools.cache
@@ -97,6 +150,10 @@ def _file_tokens(source: str) -> TokenSource:
     if megatron is not None:
         return _megatron_tokens(source, *megatron)
     path = Path(source)
+    if path.is_dir():
+        raise ConfigError(
+            f"data.source={source}: is a directory; name a token file (the OUT.bin of `keel prepare-data`) or a Megatron PREFIX (PREFIX.bin + PREFIX.idx)"
+        )
     if not path.is_file():
         raise ConfigError(
             f"data.source={source}: file not found; make one with `keel prepare-data {source} FILES...`, name a Megatron PREFIX (PREFIX.bin + PREFIX.idx) or use data.source=builtin"
@@ -106,7 +163,31 @@ def _file_tokens(source: str) -> TokenSource:
         raise ConfigError(f"data.source={source}: file is empty; remake it with `keel prepare-data {source} FILES...`")
     if sidecar_path(path).is_file():
         return _described_tokens(source, path, nbytes)
+    head = read_head(path)
+    _refuse_foreign(source, path, head)
+    if len(head) >= 12 and int.from_bytes(head[:4], "little") in LLMC_SHARDS:
+        return _llmc_tokens(source, path, nbytes, head)
     return _nanogpt_tokens(source, path, nbytes)
+
+
+def _refuse_foreign(source: str, path: Path, head: bytes) -> None:
+    """Refuses a file without a sidecar whose first bytes show it is not token ids."""
+    foreign = foreign_format(head)
+    if foreign is not None:
+        what, fix = foreign
+        raise ConfigError(f"data.source={source}: {path} is {what}, not token ids; {fix}")
+    if _is_text(head):
+        raise ConfigError(
+            f"data.source={source}: {path} is text, not token ids (its first {len(head):,} bytes are UTF-8 text); make a token file with `keel prepare-data OUT.bin {path}`"
+        )
+
+
+def _is_text(head: bytes) -> bool:
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head)  # not final: `head` may end inside a character
+    except UnicodeDecodeError:
+        return False
+    return CONTROL_BYTES.search(head) is None
 
 
 def _described_tokens(source: str, path: Path, nbytes: int) -> TokenSource:
@@ -115,11 +196,10 @@ def _described_tokens(source: str, path: Path, nbytes: int) -> TokenSource:
     tokens = np.memmap(path, dtype=FILE_DTYPES[sidecar.dtype], mode="r")
     scan = scan_tokens(tokens)
     check_sidecar(source, sidecar, nbytes, scan)
-    tokenizer = sidecar.tokenizer.get("file", sidecar.tokenizer.get("kind", "?"))
     eod = f", end-of-document id {sidecar.eod_id}" if sidecar.eod_id is not None else ""
-    description = f"{path}: {sidecar.tokens:,} {sidecar.dtype} tokens in {sidecar.documents:,} documents, vocabulary {sidecar.vocab_size:,} ({tokenizer}){eod}"
+    description = f"{path}: {sidecar.tokens:,} {sidecar.dtype} tokens in {sidecar.documents:,} documents, vocabulary {sidecar.vocab_size:,} ({_tokenizer_name(sidecar.tokenizer)}){eod}"
     origin = f"its tokenizer's {sidecar.vocab_size:,} token ids"
-    return TokenSource(tokens, "sha256:" + scan.sha256[:16], description, sidecar.vocab_size, origin, sidecar.eod_id)
+    return TokenSource(tokens, "sha256:" + scan.sha256[:16], description, sidecar.vocab_size, origin, sidecar.eod_id, sidecar.tokenizer)
 
 
 def _nanogpt_tokens(source: str, path: Path, nbytes: int) -> TokenSource:
@@ -129,13 +209,44 @@ def _nanogpt_tokens(source: str, path: Path, nbytes: int) -> TokenSource:
             f"remake it with `keel prepare-data {source} FILES...`"
         )
     tokens = np.memmap(path, dtype="<u2", mode="r")
+    _refuse_wide_ids(source, path, tokens)
     scan = scan_tokens(tokens)  # one pass for both the version hash and the vocabulary the data needs
     description = f"{path}: {len(tokens):,} uint16 tokens, no sidecar (nanoGPT layout)"
     origin = f"token ids up to {scan.max_id}"
     return TokenSource(tokens, "sha256:" + scan.sha256[:16], description, scan.max_id + 1, origin)
 
 
+def _refuse_wide_ids(source: str, path: Path, tokens: np.ndarray) -> None:
+    # Little-endian 32-bit ids of a vocabulary below 262,144 read as uint16 alternate an id with a high half
+    # of 0 to 3; real uint16 token data never keeps every second id that small.
+    head = np.asarray(tokens[:WIDE_ID_CHECK])
+    if len(head) >= 16 and head[1::2].max() < 4 <= head[0::2].max():
+        raise ConfigError(
+            f"data.source={source}: {path} holds 32-bit token ids, not nanoGPT's uint16 (every second uint16 of its first {len(head):,} is below 4: the high halves of 32-bit ids); "
+            f"it is a Megatron .bin without its .idx (put PREFIX.idx beside it) or a 32-bit token file without its sidecar (remake it with `keel prepare-data`)"
+        )
+
+
+def _llmc_tokens(source: str, path: Path, nbytes: int, head: bytes) -> TokenSource:
+    magic, version, count = np.frombuffer(head[:12], dtype="<i4").tolist()
+    want_version, dtype = LLMC_SHARDS[magic]
+    expected = LLMC_HEADER_BYTES + count * np.dtype(dtype).itemsize
+    if version != want_version or count < 1 or nbytes != expected:
+        raise ConfigError(
+            f"data.source={source}: {path} has llm.c's shard magic {magic} but version {version}, {count:,} tokens and {nbytes:,} bytes "
+            f"(a shard of {magic} is version {want_version}, at least one token, and {LLMC_HEADER_BYTES:,} bytes of header plus its tokens); the shard is damaged, make it again"
+        )
+    tokens = np.memmap(path, dtype=dtype, mode="r", offset=LLMC_HEADER_BYTES, shape=(count,))
+    scan = scan_tokens(tokens)
+    description = f"{path}: {count:,} {tokens.dtype.name} tokens (llm.c shard, magic {magic})"
+    return TokenSource(tokens, "sha256:" + scan.sha256[:16], description, scan.max_id + 1, f"token ids up to {scan.max_id}")
+
+
 def _megatron_tokens(source: str, bin_path: Path, idx_path: Path) -> TokenSource:
+    if not bin_path.is_file():
+        raise ConfigError(
+            f"data.source={source}: {bin_path} is missing beside {idx_path}; a Megatron dataset is the pair PREFIX.bin + PREFIX.idx, put its .bin there"
+        )
     nbytes = bin_path.stat().st_size
     index = read_index(source, idx_path, nbytes)
     if nbytes == 0:

@@ -43,17 +43,22 @@ class MegatronIndex:
 
 
 def megatron_paths(source: str) -> tuple[Path, Path] | None:
-    """(PREFIX.bin, PREFIX.idx) when `source` names a Megatron dataset by its prefix or its .bin, else None."""
-    prefix = source[: -len(".bin")] if source.endswith(".bin") else source
+    """(PREFIX.bin, PREFIX.idx) when `source` names a Megatron dataset by its prefix, its .bin or its .idx and
+    PREFIX.idx exists (PREFIX.bin may not: the reader says so), else None."""
+    prefix = source.removesuffix(".bin") if source.endswith(".bin") else source.removesuffix(".idx")
     bin_path, idx_path = Path(prefix + ".bin"), Path(prefix + ".idx")
-    return (bin_path, idx_path) if bin_path.is_file() and idx_path.is_file() else None
+    return (bin_path, idx_path) if idx_path.is_file() else None
 
 
 def read_index(source: str, idx_path: Path, bin_size: int) -> MegatronIndex:
     """Reads and checks `idx_path`: a ConfigError names what is wrong, so a damaged index never trains."""
     raw = np.memmap(idx_path, dtype=np.uint8, mode="r") if idx_path.stat().st_size else np.zeros(0, np.uint8)
-    if len(raw) < HEADER.size or bytes(raw[:9]) != MAGIC:
+    if bytes(raw[: len(MAGIC)]) != MAGIC[: len(raw)]:
         raise ConfigError(f"data.source={source}: {idx_path} is not a Megatron MMIDIDX index (its first bytes are not {MAGIC!r})")
+    if len(raw) < HEADER.size:
+        raise ConfigError(
+            f"data.source={source}: {idx_path} is {len(raw)} bytes, shorter than the {HEADER.size}-byte MMIDIDX header: it is truncated; copy or make it again"
+        )
     _, version, code, n_seq, n_doc = HEADER.unpack(bytes(raw[: HEADER.size]))
     if version != 1 or code not in DTYPE_CODES:
         raise ConfigError(

@@ -7,11 +7,15 @@ Face tokenizers library and documents are separated by the end-of-document id. T
 the vocabulary fits, uint32 otherwise, with its sidecar OUT.bin.json (keel.trainer.token_files). Inputs are
 streamed and the output written as it is made, so a corpus larger than memory is fine. Progress (bytes
 and tokens per second) goes to stderr.
+
+Nothing is lost or made up: an existing OUT.bin is replaced only with --force, and only when it is a token
+file this command wrote; inputs that are not plain text (compressed, binary, JSON Lines) are refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -20,11 +24,22 @@ import numpy as np
 
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
 from keel.monitor.hashing import sha256_file
-from keel.trainer.token_files import Sidecar, TokenFileWriter, write_token_file
+from keel.trainer.config import ConfigError
+from keel.trainer.token_files import (
+    Sidecar,
+    TokenFileWriter,
+    check_sidecar,
+    foreign_format,
+    read_head,
+    read_sidecar,
+    sidecar_path,
+    write_token_file,
+)
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 PROGRESS_EVERY_S = 0.5  # on a terminal; elsewhere (a log file) a line every PROGRESS_LOG_EVERY_S
 PROGRESS_LOG_EVERY_S = 30.0
+JSON_LINE_LIMIT = 16 * 1024 * 1024  # bytes of a first line read to tell JSON Lines from text
 
 
 class UsageError(ValueError):
@@ -44,12 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--tokenizer", type=Path, metavar="TOKENIZER.json", help="a local Hugging Face tokenizer file to encode with")
     how.add_argument("--train-tokenizer", type=int, metavar="N", help="train a byte-level BPE tokenizer of N tokens on the inputs first")
     p.add_argument("--eod", metavar="TOKEN", help="the end-of-document token (default: the tokenizer's <|endoftext|>, </s>, ...)")
+    p.add_argument("--force", action="store_true", help="replace OUT.bin when it is a token file this command wrote")
     return p
 
 
 def main(argv: list[str]) -> int:
     try:
         opts = build_parser().parse_args(argv)
+        check_outputs(opts.out, _trained_tokenizer_path(opts), opts.force)
         files = input_files(opts.out, opts.inputs)
         sidecar = prepare(opts, files)
     except (UsageError, OSError) as e:
@@ -70,9 +87,66 @@ def input_files(out: Path, inputs: list[str]) -> list[Path]:
             files.append(p)
         else:
             raise UsageError(f"{name}: no such file or directory")
+    for f in files:
+        check_text(f)
     if not any(f.stat().st_size for f in files):
         raise UsageError(f"the inputs {inputs} hold no text; pass non-empty text files")
     return files
+
+
+def check_text(path: Path) -> None:
+    """Refuses an input that is not plain text: its bytes would become tokens that are not its text."""
+    head = read_head(path)
+    foreign = foreign_format(head)
+    if foreign is not None:
+        what, fix = foreign
+        raise UsageError(f"{path}: is {what}, not text; {fix}")
+    if b"\x00" in head:
+        raise UsageError(f"{path}: is binary (a zero byte at offset {head.index(0)}), not UTF-8 text; pass text files")
+    if _is_json_lines(path, head):
+        raise UsageError(
+            f"{path}: holds JSON records (JSON Lines), not plain text: their keys and quoting would be trained on; write each record's text to a file of its own (a file is a document) and pass those"
+        )
+
+
+def _is_json_lines(path: Path, head: bytes) -> bool:
+    if not head.lstrip().startswith(b"{"):
+        return False
+    with open(path, "rb") as f:
+        first_line = f.readline(JSON_LINE_LIMIT)
+    try:
+        return isinstance(json.loads(first_line), dict)
+    except ValueError:
+        return False
+
+
+def check_outputs(out: Path, trained_tokenizer: Path | None, force: bool) -> None:
+    """Refuses to write over anything that is there: a token file this command wrote is replaced with --force,
+    anything else never."""
+    if out.is_dir():
+        raise UsageError(f"{out}: is a directory; name the token file to write, e.g. {out / 'train.bin'}")
+    if not out.parent.is_dir():
+        raise UsageError(f"{out}: its folder {out.parent} does not exist; create it first")
+    targets = [out, sidecar_path(out)] + ([trained_tokenizer] if trained_tokenizer else [])
+    existing = [p for p in targets if p.exists()]
+    if existing and not _written_here(out, trained_tokenizer):
+        raise UsageError(
+            f"{existing[0]} exists and is not part of a token file that keel prepare-data wrote, so it is never replaced; name another output (it comes first: keel prepare-data OUT.bin INPUT...)"
+        )
+    if existing and not force:
+        raise UsageError(f"{existing[0]} exists (a token file of keel prepare-data); pass --force to replace it")
+
+
+def _written_here(out: Path, trained_tokenizer: Path | None) -> bool:
+    """Whether what there is of OUT.bin, its sidecar and its trained tokenizer is a token file this command
+    wrote: a Keel sidecar that describes OUT.bin (when there is one) and names that tokenizer file."""
+    try:
+        sidecar = read_sidecar(str(out), out)
+        if out.exists():
+            check_sidecar(str(out), sidecar, out.stat().st_size, scan=None)
+    except ConfigError:
+        return False
+    return trained_tokenizer is None or not trained_tokenizer.exists() or sidecar.tokenizer.get("file") == trained_tokenizer.name
 
 
 def _is_output(path: Path, out: Path) -> bool:
@@ -93,6 +167,10 @@ def prepare(opts: argparse.Namespace, files: list[Path]) -> Sidecar:
     except tt.TokenizerError as e:
         raise UsageError(str(e)) from None
     identity = {"kind": "huggingface", "file": tokenizer_path.name, "sha256": sha256_file(tokenizer_path)}
+    encoder = tt.DocumentEncoder(tokenizer)
+    if not encoder.chunked:
+        print(f"tokenizer {tokenizer_path}: chunks do not decode as whole documents; each file is encoded whole", file=sys.stderr)
+    chunks = tt.read_chunks(files) if encoder.chunked else tt.read_documents(files)
     progress = Progress(sum(f.stat().st_size for f in files))
     with TokenFileWriter(opts.out, tokenizer.get_vocab_size(), identity, eod) as writer:
 
@@ -103,10 +181,15 @@ def prepare(opts: argparse.Namespace, files: list[Path]) -> Sidecar:
             progress.update(chunk.nbytes, writer.tokens)
 
         try:
-            tt.encode_stream(tokenizer, tt.read_chunks(files), on_ids)
+            tt.encode_stream(encoder, chunks, on_ids)
         finally:
             progress.end()
         return writer.finish()
+
+
+def _trained_tokenizer_path(opts: argparse.Namespace) -> Path | None:
+    """OUT.bin.tokenizer.json with --train-tokenizer, where the trained tokenizer is saved."""
+    return Path(f"{opts.out}.tokenizer.json") if opts.train_tokenizer is not None else None
 
 
 def _tokenizer(opts: argparse.Namespace, files: list[Path]):
@@ -115,7 +198,7 @@ def _tokenizer(opts: argparse.Namespace, files: list[Path]):
 
     if opts.train_tokenizer is None:
         return tt.load_tokenizer(opts.tokenizer), opts.tokenizer
-    path = Path(f"{opts.out}.tokenizer.json")
+    path = _trained_tokenizer_path(opts)
     tokenizer = tt.train_bpe(files, opts.train_tokenizer, path)
     print(f"trained a BPE tokenizer of {tokenizer.get_vocab_size():,} tokens: {path}")
     return tokenizer, path

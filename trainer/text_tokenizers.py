@@ -5,7 +5,11 @@ Nothing is downloaded: a tokenizer is a tokenizer.json on disk (`Tokenizer.from_
 chunks of about CHUNK_BYTES bytes cut at line ends, and batches of chunks are encoded by the library's own
 thread pool (encode_batch_fast, which releases the GIL) while the ids of earlier ones are written: memory
 depends on the batch size, never on the size of the corpus. A token never spans a chunk boundary, so the ids
-near a cut can differ from encoding the whole document at once; decoding still gives the text back exactly.
+near a cut can differ from encoding the whole document at once; `DocumentEncoder` makes sure decoding still
+gives what the whole document's ids give, or encodes each document whole where it cannot.
+
+Text is always text: a document that contains "<|endoftext|>" or "<s>" is encoded as those characters, never
+as the special token (tiktoken's encode_ordinary, which nanoGPT uses for the same reason).
 
 Imported only by `keel prepare-data`, so training never pays for importing the tokenizers library.
 """
@@ -13,6 +17,7 @@ Imported only by `keel prepare-data`, so training never pays for importing the t
 from __future__ import annotations
 
 import codecs
+import json
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +37,16 @@ IN_FLIGHT = 2  # batches being encoded at once
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 TRAINED_EOD = "<|endoftext|>"
 MIN_TRAINED_VOCAB = 257  # the 256 byte symbols of byte-level BPE and the end-of-document token
+# Encoded in pieces and whole: the pieces must decode as the whole does. Each piece but the first starts a
+# line as a chunk does; between them they hold what tokenizers treat specially (leading and repeated
+# spaces, a tab, an empty line, special-token text, characters outside ASCII, a last line without its end).
+PROBE = (
+    "The first line of a document.\n",
+    "  an indented line with  two spaces and a\ttab\n",
+    "<|endoftext|> </s> <s> <eos> stay text\n",
+    "\n",
+    "ünïcödé, 数字 and 123, no line end",
+)
 
 
 class TokenizerError(ValueError):
@@ -42,7 +57,74 @@ class TokenizerError(ValueError):
 class Chunk:
     text: str
     nbytes: int  # the bytes of the file read for this chunk, for the progress line
+    first_of_document: bool
     last_of_document: bool
+
+
+class DocumentEncoder:
+    """Encodes chunks of documents so that a document's ids decode as the ids of the whole document would.
+
+    Many tokenizers mark where a text starts: SentencePiece's (a "▁" prepended by a Metaspace pre-tokenizer
+    or a Prepend normalizer, which the decoder strips once) and byte-level BPE with add_prefix_space. Every
+    chunk is a text of its own to the library, so every chunk would gain the mark: one space per cut. The
+    first chunk of a document is therefore encoded by the tokenizer as it is, the others by a copy that marks
+    no start. A probe checks the result; `chunked` is False where chunks still do not decode as the whole
+    (e.g. a normalizer that strips each text's trailing whitespace), and documents must be encoded whole."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.first = _for_documents(tokenizer)
+        config = json.loads(tokenizer.to_str())
+        unmarked = {**config, "normalizer": _unmarked(config["normalizer"]), "pre_tokenizer": _unmarked(config["pre_tokenizer"])}
+        self.rest = self.first if unmarked == config else _for_documents(Tokenizer.from_str(json.dumps(unmarked)))
+        self.chunked = self._decodes_as_whole(PROBE)
+
+    def encode(self, chunks: list[Chunk]) -> list[np.ndarray]:
+        """The ids of each chunk, as uint32 arrays (an Encoding and a list of ints cost tens of bytes per token)."""
+        ids: list[np.ndarray] = [np.zeros(0, np.uint32)] * len(chunks)
+        for tokenizer, picked in self._by_tokenizer(chunks):
+            # add_special_tokens=False: no BOS/EOS of a post-processor inside a document; Keel adds the eod itself.
+            encodings = tokenizer.encode_batch_fast([chunks[i].text for i in picked], add_special_tokens=False)
+            for i, encoding in zip(picked, encodings):
+                ids[i] = np.array(encoding.ids, dtype=np.uint32)
+        return ids
+
+    def _by_tokenizer(self, chunks: list[Chunk]) -> list[tuple[Tokenizer, list[int]]]:
+        if self.rest is self.first:
+            return [(self.first, list(range(len(chunks))))]
+        firsts = [i for i, chunk in enumerate(chunks) if chunk.first_of_document]
+        rests = [i for i, chunk in enumerate(chunks) if not chunk.first_of_document]
+        return [(tokenizer, picked) for tokenizer, picked in ((self.first, firsts), (self.rest, rests)) if picked]
+
+    def _decodes_as_whole(self, pieces: tuple[str, ...]) -> bool:
+        chunks = [Chunk(text, 0, i == 0, i == len(pieces) - 1) for i, text in enumerate(pieces)]
+        chunked = np.concatenate(self.encode(chunks)).tolist()
+        whole = self.first.encode("".join(pieces), add_special_tokens=False).ids
+        return self.first.decode(chunked, skip_special_tokens=False) == self.first.decode(whole, skip_special_tokens=False)
+
+
+def _for_documents(tokenizer: Tokenizer) -> Tokenizer:
+    """`tokenizer` set to encode documents: special-token text stays text, and no padding or truncation that
+    a tokenizer.json may carry (they would add pad ids to the data or drop text)."""
+    tokenizer.encode_special_tokens = True
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
+
+
+def _unmarked(component: dict | None) -> dict | None:
+    """A normalizer or pre-tokenizer, as `Tokenizer.to_str` writes it, that marks no start of text: no Prepend,
+    and Metaspace and ByteLevel without their prefix. Sequences are rewritten member by member."""
+    if component is None or component["type"] == "Prepend":
+        return None
+    if component["type"] == "Sequence":
+        key = "normalizers" if "normalizers" in component else "pretokenizers"
+        members = [m for m in map(_unmarked, component[key]) if m is not None]
+        return {**component, key: members}
+    if component["type"] == "Metaspace":
+        return {**component, "prepend_scheme": "never"}
+    if "add_prefix_space" in component:  # ByteLevel's pre-tokenizer
+        return {**component, "add_prefix_space": False}
+    return component
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
@@ -96,14 +178,21 @@ def read_chunks(paths: list[Path], chunk_bytes: int = CHUNK_BYTES) -> Iterator[C
     for path in paths:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may straddle two reads
         with open(path, "rb") as f:
-            carry = ""
+            carry, first = "", True
             while block := f.read(chunk_bytes):
                 text = carry + decoder.decode(block)
                 # Cut after the last line end, so that a word is never split between two encode calls.
                 cut = text.rfind("\n") + 1 or len(text)
-                yield Chunk(text[:cut], len(block), last_of_document=False)
-                carry = text[cut:]
-            yield Chunk(carry + decoder.decode(b"", final=True), 0, last_of_document=True)
+                yield Chunk(text[:cut], len(block), first, last_of_document=False)
+                carry, first = text[cut:], False
+            yield Chunk(carry + decoder.decode(b"", final=True), 0, first, last_of_document=True)
+
+
+def read_documents(paths: list[Path]) -> Iterator[Chunk]:
+    """Each file's text whole, one chunk per document: for a tokenizer whose chunks do not decode as the whole."""
+    for path in paths:
+        data = path.read_bytes()
+        yield Chunk(data.decode("utf-8", errors="replace"), len(data), first_of_document=True, last_of_document=True)
 
 
 def batches(chunks: Iterator[Chunk], max_bytes: int) -> Iterator[list[Chunk]]:
@@ -121,22 +210,15 @@ def batches(chunks: Iterator[Chunk], max_bytes: int) -> Iterator[list[Chunk]]:
 
 
 def encode_stream(
-    tokenizer: Tokenizer, chunks: Iterator[Chunk], on_ids: Callable[[np.ndarray, Chunk], None], batch_bytes: int = BATCH_BYTES
+    encoder: DocumentEncoder, chunks: Iterator[Chunk], on_ids: Callable[[np.ndarray, Chunk], None], batch_bytes: int = BATCH_BYTES
 ) -> None:
     """Encodes `chunks` and calls `on_ids(ids, chunk)` for each, in order. IN_FLIGHT batches are encoded at
     once, so the library's threads that finish one batch's last chunks pick up the next batch's first
     instead of waiting; this thread reads the text and hands the ids on meanwhile."""
-
-    def encode(batch: list[Chunk]) -> list[np.ndarray]:
-        # add_special_tokens=False: no BOS/EOS of a post-processor inside a document; Keel adds the eod itself.
-        encodings = tokenizer.encode_batch_fast([c.text for c in batch], add_special_tokens=False)
-        # To arrays at once: an Encoding and a list of ints cost tens of bytes per token, an array four.
-        return [np.array(encoding.ids, dtype=np.uint32) for encoding in encodings]
-
     with ThreadPoolExecutor(max_workers=IN_FLIGHT) as encoders:
         pending: deque[tuple[list[Chunk], Future]] = deque()
         for batch in batches(chunks, batch_bytes):
-            pending.append((batch, encoders.submit(encode, batch)))
+            pending.append((batch, encoders.submit(encoder.encode, batch)))
             if len(pending) > IN_FLIGHT:
                 _hand_on(*pending.popleft(), on_ids)
         while pending:

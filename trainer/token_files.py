@@ -6,6 +6,9 @@ holds the dtype, the vocabulary size, the tokenizer's identity (sha256 of its fi
 the token and document counts and the sha256 of the token bytes. A .bin without a sidecar is a plain
 nanoGPT file: uint16, its vocabulary only known from its largest id.
 
+`foreign_format` names the files that must never be read as token ids nor as text (compressed files,
+archives, NumPy arrays, Megatron indexes): keel.trainer.data and `keel prepare-data` refuse them.
+
 Everything here reads and writes in bounded chunks, so a corpus larger than memory costs no more memory
 than a small one.
 """
@@ -27,6 +30,19 @@ SIDECAR_FORMAT = "keel-tokens/1"
 FILE_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 SCAN_CHUNK = 64 * 1024 * 1024  # tokens per pass when hashing a file, so memory stays flat
 BYTE_CHUNK = 16 * 1024 * 1024  # bytes read at a time when the tokens are the bytes
+# The first bytes of formats a token file or a text input is sometimes mistaken for: (magic, what the file
+# is, the fix). Each is 3 bytes or more, so uint16 token ids start with one by chance in under one file in
+# ten million.
+FOREIGN_MAGICS = (
+    (b"\x1f\x8b\x08", "gzip-compressed", "decompress it first (gunzip -k FILE)"),  # 8: deflate, gzip's one method
+    (b"BZh", "bzip2-compressed", "decompress it first (bunzip2 -k FILE)"),
+    (b"\xfd7zXZ\x00", "xz-compressed", "decompress it first (unxz -k FILE)"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it first (unzstd FILE)"),
+    (b"PK\x03\x04", "a zip archive", "unzip it first"),
+    (b"\x93NUMPY", "a NumPy .npy array", "write its ids with ndarray.tofile, nanoGPT's layout"),
+    (b"MMIDIDX\x00\x00", "a Megatron-LM index", "name its dataset by prefix: data.source=PREFIX for PREFIX.bin + PREFIX.idx"),
+    ((20240522).to_bytes(4, "little"), "an llm.c eval file (HellaSwag, MMLU)", "train on llm.c's token shards, whose magic is 20240520"),
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +72,27 @@ def sidecar_path(bin_path: str | os.PathLike) -> Path:
     return Path(f"{bin_path}.json")
 
 
+def foreign_format(head: bytes) -> tuple[str, str] | None:
+    """(what the file is, the fix) when its first bytes `head` are one of FOREIGN_MAGICS, else None."""
+    for magic, what, fix in FOREIGN_MAGICS:
+        if head.startswith(magic):
+            return what, fix
+    return None
+
+
+def read_head(path: Path, nbytes: int = 64 * 1024) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(nbytes)
+
+
+def new_temp_path(path: Path) -> Path:
+    """A name beside `path` for a file written before it is renamed into place. Created here, exclusively,
+    so that it can never be a file that was there before."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    open(tmp, "xb").close()
+    return tmp
+
+
 def dtype_for_vocab(vocab_size: int) -> str:
     """The narrowest file dtype that holds every id of a vocabulary."""
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
@@ -74,7 +111,7 @@ def scan_tokens(tokens: np.ndarray) -> TokenScan:
 
 
 class TokenFileWriter:
-    """Writes a token file incrementally: ids go to `OUT.bin.tmp` as they come, hashed on the way, and the
+    """Writes a token file incrementally: ids go to a new `OUT.bin.PID.tmp` as they come, hashed on the way, and the
     file is renamed into place with its sidecar only when `finish` is called. Used as a context manager:
     leaving it on an exception removes the partial file."""
 
@@ -88,7 +125,7 @@ class TokenFileWriter:
         self.tokens = 0
         self.documents = 0
         self._digest = hashlib.sha256()
-        self._tmp_path = self.out_path.with_name(self.out_path.name + ".tmp")
+        self._tmp_path = new_temp_path(self.out_path)
         self._file = open(self._tmp_path, "wb")
 
     def write(self, ids: np.ndarray) -> None:
@@ -110,7 +147,11 @@ class TokenFileWriter:
         # The sidecar goes first: a stale sidecar beside a new file fails its hash check at open, loudly,
         # while a new sidecar can never be read beside a truncated file (the rename is atomic).
         write_sidecar(self.out_path, sidecar)
-        os.replace(self._tmp_path, self.out_path)
+        try:
+            os.replace(self._tmp_path, self.out_path)
+        except OSError:
+            sidecar_path(self.out_path).unlink()  # a sidecar must never describe a file that is not there
+            raise
         return sidecar
 
     def __enter__(self) -> TokenFileWriter:
@@ -124,7 +165,7 @@ class TokenFileWriter:
 
 def write_sidecar(bin_path: Path, sidecar: Sidecar) -> None:
     path = sidecar_path(bin_path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = new_temp_path(path)
     tmp.write_text(json.dumps(asdict(sidecar), indent=2) + "\n")
     os.replace(tmp, path)
 
