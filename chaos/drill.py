@@ -65,7 +65,10 @@ DRILLS = {
         Drill("deadlock", ("deadlock@step={S},rank={R}",), Expectation(detect=("hang",), recover=("restart",))),
         Drill("crash", ("crash@step={S},rank={R}",), _RESTART),
         Drill("segfault", ("segfault@step={S},rank={R}",), _RESTART),
-        # A corrupt checkpoint only matters when it is read: the crash right after it makes the restart read it.
+        # keel train itself resumes the run when its torchrun agent is killed, as a scheduler requeues a job.
+        Drill("node_loss", ("node_loss@step={S},rank={R}",), Expectation(detect=("node_loss",), recover=("node_loss",))),
+        # A corrupt checkpoint only matters when it is read: the crash right after it makes the restart read it
+        # (the crash waits for the flip: keel.chaos.faults sequences them).
         Drill(
             "ckpt_corrupt",
             ("ckpt_corrupt@step={S}", "crash@step={S},rank={R}"),
@@ -76,22 +79,9 @@ DRILLS = {
     ]
 }
 SUITES = {"standard": ["nan", "spike", "oom", "hang", "crash", "ckpt_corrupt", "straggler", "late_collective"], "full": list(DRILLS)}
-# What a fault given as a spec (--faults "hang@step=30,rank=1") must cause: the same as its drill.
-_BY_KIND = {
-    "nan": "nan",
-    "inf": "nan",
-    "spike": "spike",
-    "data_corrupt": "data_corrupt",
-    "oom": "oom",
-    "hang": "hang",
-    "deadlock": "deadlock",
-    "crash": "crash",
-    "segfault": "segfault",
-    "straggler": "straggler",
-    "late_collective": "late_collective",
-    "ckpt_corrupt": "ckpt_corrupt",
-}
-assert set(_BY_KIND) == set(KINDS)
+# What a fault given as a spec (--faults "hang@step=30,rank=1") must cause: the same as its kind's drill.
+_BY_KIND = {kind: {"inf": "nan"}.get(kind, kind) for kind in KINDS}
+assert set(_BY_KIND.values()) <= set(DRILLS), "every fault kind needs a drill"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,7 +177,10 @@ def select_drills(suite: str, faults: str | None, nonfinite_limit: int) -> list[
             if fault.kind in ("nan", "inf") and fault.into != "param" and fault.steps < nonfinite_limit:
                 # Too few to roll back: the guard skips the steps, which changes the trajectory by design.
                 expect = Expectation(detect=("nonfinite",), compare="none")
-            drills.append(Drill(str(fault), (str(fault),), expect, base.min_stage_ranks))
+            specs = (str(fault),)
+            if fault.kind == "ckpt_corrupt":  # as in its drill: only a restart right after it reads the damaged checkpoint
+                specs += (f"crash@step={fault.step},rank={{R}}",)
+            drills.append(Drill(str(fault), specs, expect, base.min_stage_ranks))
         elif item in DRILLS:
             drills.append(DRILLS[item])
         else:

@@ -14,36 +14,58 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from keel.monitor.detectors import SpikeConfig
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of fault: what it does, the fields it takes besides step and steps, and how it behaves."""
+
+    does: str
+    takes: tuple[str, ...] = ()
+    # The process ends (a restart follows): it acts only after its step's ckpt_corrupt has, so the restart
+    # reads the damaged checkpoint (keel.chaos.faults sequences them).
+    ends_process: bool = False
+    # A property of a machine or of the data, not an event: it acts at every run of its steps (no fire-once marker).
+    persistent: bool = False
+
+
 KINDS = {
-    "nan": "NaN into the loss, a gradient or a parameter (into=loss|grad|param) at steps S..S+K-1",
-    "inf": "Inf into the loss, a gradient or a parameter (into=loss|grad|param) at steps S..S+K-1",
-    "spike": "a real loss spike: the batches of steps S..S+K-1 replaced by random bytes (data=1) and/or the LR times lr=F",
-    "data_corrupt": "token ids out of the vocabulary in the batches of steps S..S+K-1 (a damaged data file)",
-    "oom": "torch.OutOfMemoryError at the start of step S, and again each time it runs, while a micro-batch holds more than "
-    "`rows` sequences (the most the rank's memory holds; real=1 on a GPU: a real over-allocation)",
-    "hang": "the rank sleeps `seconds` before the step's first collective, while the others wait inside it",
-    "deadlock": "a thread of the rank holds the GIL for `seconds`: no Python thread of the process runs",
-    "crash": "the rank is killed (SIGKILL) at the start of step S",
-    "segfault": "the rank reads address 0 (SIGSEGV) at the start of step S",
-    "straggler": "the rank sleeps `ms` at the start of each of steps S..S+K-1",
-    "late_collective": "the rank waits `ms` before each collective the trainer issues, at steps S..S+K-1",
-    "ckpt_corrupt": "bytes flipped in a shard of the newest complete checkpoint, at the start of step S (by rank 0)",
+    "nan": Kind("NaN into the loss, a gradient or a parameter (into=loss|grad|param) at steps S..S+K-1", ("rank", "into")),
+    "inf": Kind("Inf into the loss, a gradient or a parameter (into=loss|grad|param) at steps S..S+K-1", ("rank", "into")),
+    "spike": Kind(
+        "a real loss spike: the batches of steps S..S+K-1 replaced by random bytes (data=1) and/or the LR times lr=F", ("lr", "data")
+    ),
+    "data_corrupt": Kind("token ids out of the vocabulary in the batches of steps S..S+K-1 (a damaged data file)", persistent=True),
+    "oom": Kind(
+        "torch.OutOfMemoryError at the start of step S, and again each time it runs, while a micro-batch holds more than "
+        "`rows` sequences (the most the rank's memory holds; real=1 on a GPU: a real over-allocation)",
+        ("rank", "rows", "real"),
+        persistent=True,
+    ),
+    "hang": Kind(
+        "the rank sleeps `seconds` before the step's first collective, while the others wait inside it",
+        ("rank", "seconds"),
+        ends_process=True,
+    ),
+    "deadlock": Kind(
+        "a thread of the rank holds the GIL for `seconds`: no Python thread of the process runs", ("rank", "seconds"), ends_process=True
+    ),
+    "crash": Kind("the rank is killed (SIGKILL) at the start of step S", ("rank",), ends_process=True),
+    "segfault": Kind("the rank reads address 0 (SIGSEGV) at the start of step S", ("rank",), ends_process=True),
+    "node_loss": Kind(
+        "the rank's node dies at the start of step S: its torchrun agent and every worker under it are killed (SIGKILL)",
+        ("rank",),
+        ends_process=True,
+    ),
+    "straggler": Kind("the rank sleeps `ms` at the start of each of steps S..S+K-1", ("rank", "ms"), persistent=True),
+    "late_collective": Kind(
+        "the rank waits `ms` before each collective the trainer issues, at steps S..S+K-1", ("rank", "ms"), persistent=True
+    ),
+    "ckpt_corrupt": Kind("bytes flipped in a shard of the newest complete checkpoint, at the start of step S (by rank 0)"),
 }
-# Which fields each kind takes besides step and steps.
-_KIND_FIELDS = {
-    "nan": ("rank", "into"),
-    "inf": ("rank", "into"),
-    "spike": ("lr", "data"),
-    "data_corrupt": (),
-    "oom": ("rank", "rows", "real"),
-    "hang": ("rank", "seconds"),
-    "deadlock": ("rank", "seconds"),
-    "crash": ("rank",),
-    "segfault": ("rank",),
-    "straggler": ("rank", "ms"),
-    "late_collective": ("rank", "ms"),
-    "ckpt_corrupt": (),
-}
+ENDS_PROCESS = tuple(k for k, v in KINDS.items() if v.ends_process)
+PERSISTENT = tuple(k for k, v in KINDS.items() if v.persistent)
 TARGETS = ("loss", "grad", "param")
 
 
@@ -89,8 +111,8 @@ def parse_fault(spec: str, default_step: int | None = None) -> Fault:
         key, _, value = part.partition("=")
         if key not in FIELDS:
             raise ValueError(f"chaos.faults: unknown field '{key}' in '{spec}'; {_SPEC_HELP}")
-        if key not in ("step", "steps") and key not in _KIND_FIELDS[kind]:
-            takes = ", ".join(["step", "steps", *_KIND_FIELDS[kind]])
+        if key not in ("step", "steps") and key not in KINDS[kind].takes:
+            takes = ", ".join(["step", "steps", *KINDS[kind].takes])
             raise ValueError(f"chaos.faults: '{key}' does not apply to {kind} in '{spec}'; {kind} takes {takes}")
         try:
             values[key] = value if key == "into" else float(value) if key == "lr" else int(value)
@@ -118,14 +140,37 @@ def _gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
-def random_faults(mtbf_steps: float, kinds: list[str], steps: int, world: int, seed: int) -> list[Fault]:
+def random_faults(
+    mtbf_steps: float, kinds: list[str], steps: int, world: int, seed: int, spike: SpikeConfig, nonfinite_limit: int
+) -> list[Fault]:
     """Faults at exponentially distributed intervals (mean `mtbf_steps`), each of a kind drawn from
-    `kinds` on a rank drawn from the world. The same on every rank (seeded)."""
+    `kinds` on a rank drawn from the world, shaped by the run's own detector and recovery settings
+    (`spike`, `nonfinite_limit`) so that each takes its recovery path to the end (see _random_fault).
+    The same on every rank (seeded)."""
     rng, out, t = np.random.default_rng(seed), [], 0.0
     while True:
         t += rng.exponential(mtbf_steps)
         if math.ceil(t) > steps:
-            return out
+            return list(dict.fromkeys(out))  # two spikes moved to the same step are one
         kind = kinds[int(rng.integers(len(kinds)))]
         rank = int(rng.integers(world))
-        out.append(parse_fault(f"{kind}@step={math.ceil(t)}" + (f",rank={rank}" if "rank" in _KIND_FIELDS[kind] else "")))
+        out += _random_fault(kind, math.ceil(t), rank, rng, spike, nonfinite_limit)
+
+
+def _random_fault(kind: str, step: int, rank: int, rng: np.random.Generator, spike: SpikeConfig, nonfinite_limit: int) -> list[Fault]:
+    """A drawn fault, made to reach a recovery rather than only a blip: a one-step NaN is only skipped, a
+    one-step spike heals, and a damaged checkpoint that nothing loads is replaced unseen."""
+    if kind in ("nan", "inf"):
+        # Into a drawn target. A parameter stays non-finite until the rollback restores it, so one step
+        # suffices; a loss or a gradient is poisoned for as many steps in a row as trigger the rollback.
+        into = TARGETS[int(rng.integers(len(TARGETS)))]
+        return [Fault(kind, step, rank, steps=1 if into == "param" else nonfinite_limit, into=into)]
+    if kind == "spike":
+        # Random bytes for `persistence` steps are as many outliers in a row: a confirmed spike. The detector
+        # judges nothing before its warm-up and its first baseline, so a spike drawn earlier starts there.
+        first_judged = max(spike.warmup_steps, spike.min_baseline + 1)
+        return [Fault(kind, max(step, first_judged), steps=spike.persistence)]
+    if kind == "ckpt_corrupt":
+        # A crash right after it (sequenced, not timed: keel.chaos.faults), so the restart loads the damaged checkpoint.
+        return [Fault(kind, step), Fault("crash", step, rank)]
+    return [Fault(kind, step, rank if "rank" in KINDS[kind].takes else None)]

@@ -14,10 +14,16 @@ skipping them gets rid of them), and `straggler`, `late_collective` and `oom`, p
 span of steps (an out-of-memory fault is a memory that holds `rows` sequences: the step runs out again
 whenever it runs with more, so only a smaller micro-batch gets past it). A spike's LR surge is transient:
 it fires once, like the rest.
+
+Faults that end the process (crash, segfault, node_loss, and hang and deadlock, which the watchdog ends)
+act only after their step's ckpt_corrupt has: sequenced by rank 0's marker, not by timing, so the restart
+loads the checkpoint the fault damaged. node_loss kills what a dead machine takes with it: the node's
+torchrun agent and every process under it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -31,12 +37,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from keel.chaos.fault_specs import Fault, parse_fault
+from keel.chaos.fault_specs import ENDS_PROCESS, PERSISTENT, Fault, parse_fault
 from keel.monitor.run_dir import CHAOS_DIR, FAULT_REQUEST_DIR, INJECTED_FILE, MANIFEST, list_checkpoints
 
 NONFINITE = {"nan": float("nan"), "inf": float("inf")}
-# Faults tied to a machine: no fire-once marker (see the module docstring; data faults never look one up).
-_PERSISTENT = ("data_corrupt", "straggler", "late_collective", "oom")
+# How long a fault that ends the process waits for its step's ckpt_corrupt to have fired on rank 0 (it
+# waits for rank 0's save in flight, seconds at most): bounded, so a rank 0 that never gets there cannot
+# keep the fault from firing.
+_SEQUENCE_WAIT_S = 120.0
 
 
 class FaultPlan:
@@ -72,8 +80,10 @@ class FaultPlan:
             fault = parse_fault(json.loads(path.read_text())["fault"], default_step=self.step)
             self.faults.append(Fault(**{**vars(fault), "step": max(fault.step, self.step)}))
 
-    def _marker(self, fault: Fault) -> Path | None:
-        name = re.sub(r"[^A-Za-z0-9_.=,@-]", "_", f"fired-{fault}-at{self.step}-rank{self.rank}")
+    def _marker(self, fault: Fault, rank: int | None = None) -> Path | None:
+        """The fire-once marker of a fault at this step, left by this rank (or by `rank`)."""
+        rank = self.rank if rank is None else rank
+        name = re.sub(r"[^A-Za-z0-9_.=,@-]", "_", f"fired-{fault}-at{self.step}-rank{rank}")
         return self.run_dir / CHAOS_DIR / name if self.run_dir else None
 
     def _due(self, *kinds: str) -> list[Fault]:
@@ -83,7 +93,7 @@ class FaultPlan:
             if f.kind in kinds and f.hits(self.step, self.rank) and (f, self.step) not in self._spent:
                 # A loss fault fires on every micro-batch of its step: its own marker does not stop it.
                 marker = self._marker(f)
-                if f.kind in _PERSISTENT or f in self._marked_now or marker is None or not marker.exists():
+                if f.kind in PERSISTENT or f in self._marked_now or marker is None or not marker.exists():
                     due.append(f)
         return due
 
@@ -92,7 +102,7 @@ class FaultPlan:
         log, this step's list."""
         if fault not in self.fired:
             self.fired.append(fault)
-        if marker and fault.kind not in _PERSISTENT and self.run_dir is not None and fault not in self._marked_now:
+        if marker and fault.kind not in PERSISTENT and self.run_dir is not None and fault not in self._marked_now:
             self._marked_now.add(fault)
             (self.run_dir / CHAOS_DIR).mkdir(parents=True, exist_ok=True)
             self._marker(fault).write_text(f"{time.time()}\n")
@@ -141,26 +151,51 @@ class FaultPlan:
         for fault in self._due("ckpt_corrupt"):
             if self.rank == 0:
                 settle_checkpoints()
+                # Its marker, written once the bytes are flipped, is what this step's killing faults wait for.
                 self._fire(fault, _flip_newest_checkpoint(self.run_dir))
             self._spend(fault)
-        for fault in self._due("oom", "crash", "segfault", "hang", "deadlock"):
-            if fault.kind == "oom" and microbatch_rows <= fault.rows:
-                continue  # the micro-batch fits the fault's memory
-            self._fire(fault, f"micro-batch of {microbatch_rows} sequences" if fault.kind == "oom" else "")
-            if fault.kind != "oom":  # the step runs again after an OOM, and must run out again if it still does not fit
-                self._spend(fault)
-            if fault.kind == "crash":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif fault.kind == "segfault":
-                ctypes.string_at(0)
-            elif fault.kind == "hang":
-                time.sleep(fault.seconds)  # the other ranks wait inside their next collective
-            elif fault.kind == "deadlock":
-                _hold_gil(fault.seconds)
-            elif fault.real:
-                torch.empty(2 * torch.cuda.get_device_properties(0).total_memory, dtype=torch.uint8, device="cuda")
-            else:
+        for fault in self._due("oom", *ENDS_PROCESS):
+            if fault.kind != "oom":
+                self._end_process(fault)
+            elif microbatch_rows > fault.rows:  # else the micro-batch fits the fault's memory
+                # Not spent: the step runs again after an OOM, and must run out again if it still does not fit.
+                self._fire(fault, f"micro-batch of {microbatch_rows} sequences")
+                if fault.real:
+                    torch.empty(2 * torch.cuda.get_device_properties(0).total_memory, dtype=torch.uint8, device="cuda")
                 raise torch.OutOfMemoryError(f"injected by chaos fault {fault}")
+
+    def _end_process(self, fault: Fault) -> None:
+        """A fault that ends the process, or stalls it until the watchdog does. Recorded before it acts."""
+        notes = [self._after_corruption()]
+        if fault.kind == "node_loss":
+            agent, found_by = _node_agent()
+            tree = [agent, *_descendants(agent)]
+            notes.append(f"agent {agent} ({found_by}) and the {len(tree) - 1} processes under it")
+        self._fire(fault, "; ".join(filter(None, notes)))
+        self._spend(fault)
+        if fault.kind == "crash":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "segfault":
+            ctypes.string_at(0)
+        elif fault.kind == "hang":
+            time.sleep(fault.seconds)  # the other ranks wait inside their next collective
+        elif fault.kind == "deadlock":
+            _hold_gil(fault.seconds)
+        elif fault.kind == "node_loss":
+            _kill_all(tree)
+
+    def _after_corruption(self) -> str:
+        """Waits until this step's ckpt_corrupt has fired on rank 0 (its marker is written after the flip):
+        the restart that follows a fault ending the process must load the damaged checkpoint. Timing does
+        not order them: a crash once beat rank 0, still waiting for its save in flight, and the restarted
+        run damaged a checkpoint nobody loaded. Returns a note for the injection log when the wait gave up."""
+        markers = [self._marker(f, rank=0) for f in self.faults if f.kind == "ckpt_corrupt" and f.hits(self.step, 0)]
+        deadline = time.monotonic() + _SEQUENCE_WAIT_S
+        while not all(m is None or m.exists() for m in markers):
+            if time.monotonic() > deadline:
+                return f"ckpt_corrupt of step {self.step} had not fired after {_SEQUENCE_WAIT_S:.0f} s"
+            time.sleep(0.05)
+        return ""
 
     def corrupt_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Hook on each micro-batch's loss before backward: nan/inf into=loss multiplies it in (every
@@ -221,6 +256,50 @@ def _hold_gil(seconds: int) -> None:
     holder = threading.Thread(target=ctypes.PyDLL(None).sleep, args=(seconds,), name="keel-chaos-gil-holder", daemon=True)
     holder.start()
     holder.join()
+
+
+def _node_agent() -> tuple[int, str]:
+    """This node's torchrun agent: its pid and how it was found. `keel train`'s agent exports its pid as
+    KEEL_AGENT_PID; plain torchrun exports none, so then it is the nearest ancestor running torchrun, or
+    else the parent."""
+    if os.environ.get("KEEL_AGENT_PID"):
+        return int(os.environ["KEEL_AGENT_PID"]), "KEEL_AGENT_PID"
+    pid = os.getppid()
+    while pid > 1:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if any(os.path.basename(a) == b"torchrun" or a == b"torch.distributed.run" for a in argv):
+            return pid, "KEEL_AGENT_PID unset: the nearest ancestor running torchrun"
+        pid = _parent(pid)
+    return os.getppid(), "KEEL_AGENT_PID unset and no ancestor runs torchrun: the parent"
+
+
+def _parent(pid: int) -> int:
+    # /proc/PID/stat: "pid (comm) state ppid ..."; comm may hold spaces and parentheses, hence the last ")".
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process under `root` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):  # ended while we looked
+                children.setdefault(_parent(int(entry.name)), []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _kill_all(tree: list[int]) -> None:
+    """SIGKILL to the agent first (it would restart the workers it sees die), then every process under
+    it, this one last: what a machine that dies does to them, with no chance to clean up."""
+    me = os.getpid()
+    for pid in [p for p in tree if p != me] + [me]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _flip_newest_checkpoint(run_dir: Path) -> str:

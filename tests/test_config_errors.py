@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from conftest import keel, plain_torchrun
 
-from keel.trainer.config import ConfigError, load_config, write_resolved_config
+from keel.trainer.config import ConfigError, load_config, validate, write_resolved_config
 
 # (arguments, text the one-line error must contain: the field, and the fix)
 CASES = {
@@ -125,3 +125,17 @@ def test_unknown_key_in_file_is_an_error(tmp_path):
     (tmp_path / "job.toml").write_text("[training]\nstepss = 3\n")
     with pytest.raises(ConfigError, match=r"training.stepss.*did you mean 'training.steps'"):
         load_config(str(tmp_path / "job.toml"))
+
+
+def test_a_list_on_the_command_line_is_written_with_semicolons_or_as_toml():
+    for text in ("nan;crash", '["nan", "crash"]', "['nan','crash']"):
+        assert load_config("tiny", [f"chaos.random_kinds={text}"]).chaos.random_kinds == ["nan", "crash"], text
+    assert load_config("tiny", ['chaos.faults=["nan@step=3,rank=1"]']).chaos.faults == ["nan@step=3,rank=1"]
+    with pytest.raises(ConfigError, match=r"chaos.random_kinds='\[\"nan\",': not a TOML list .*; write") as e:
+        load_config("tiny", ['chaos.random_kinds=["nan",'])
+    assert "\n" not in str(e.value)
+
+
+def test_random_faults_need_a_kind_to_draw():
+    with pytest.raises(ConfigError, match=r"chaos.random_kinds is empty; .* or set chaos.mtbf_steps=0"):
+        validate(load_config("tiny", ["chaos.mtbf_steps=25", "chaos.random_kinds="]))

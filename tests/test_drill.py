@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from conftest import drill, keel
 
+from keel.chaos.drill import SUITES, select_drills
+from keel.chaos.fault_specs import KINDS
 from keel.monitor.store import read_events, read_rank_steps, read_steps
 
 TINY = ("--config", "tiny")
@@ -167,3 +169,15 @@ def test_keel_inject_hits_a_running_job(tmp_path):
     nonfinite = events[events.kind == "nonfinite"]
     assert len(nonfinite) == 1 and requested <= int(nonfinite.step.iloc[0]) <= requested + 3
     assert keel("inject", str(run_dir), "nan").returncode == 2  # the run has ended
+
+
+def test_a_fault_spec_of_every_kind_is_judged_like_its_kinds_drill():
+    """node_loss among them: keel train resumes the run, which records the loss of the node. A damaged
+    checkpoint is followed by a crash, as in its drill, or nothing would load it."""
+    for kind in KINDS:
+        [d] = select_drills("standard", f"{kind}@step=30", nonfinite_limit=1)
+        assert d.faults[0] == f"{kind}@step=30"
+    [d] = select_drills("standard", "node_loss@step=30,rank=1", nonfinite_limit=3)
+    assert d.expect.detect == d.expect.recover == ("node_loss",) and "node_loss" in SUITES["full"]
+    [d] = select_drills("standard", "ckpt_corrupt@step=30", nonfinite_limit=3)
+    assert d.faults == ("ckpt_corrupt@step=30", "crash@step=30,rank={R}") and d.expect.detect == ("checkpoint_corrupt",)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +18,7 @@ import torch
 from keel.chaos.fault_specs import KINDS, parse_fault, random_faults
 from keel.chaos.faults import FaultPlan
 from keel.chaos.inject import request
+from keel.monitor.detectors import SpikeConfig
 from keel.monitor.store import RunStore
 from keel.trainer.data import BatchSampler
 
@@ -35,6 +40,7 @@ from keel.trainer.data import BatchSampler
         "straggler@step=3,rank=1,steps=12,ms=300",
         "late_collective@step=2,rank=7,steps=10,ms=50",
         "ckpt_corrupt@step=12",
+        "node_loss@step=6,rank=2",
     ],
 )
 def test_every_kind_parses_and_prints_back_the_same(spec):
@@ -62,13 +68,35 @@ def test_bad_specs_say_what_to_fix(spec, words):
     assert "\n" not in str(e.value)
 
 
+def _random(kinds: list[str], steps: int = 20_000, seed: int = 3, spike: SpikeConfig | None = None, nonfinite_limit: int = 3):
+    return random_faults(20.0, kinds, steps=steps, world=8, seed=seed, spike=spike or SpikeConfig(), nonfinite_limit=nonfinite_limit)
+
+
 def test_random_faults_have_the_mean_gap_asked_for_and_agree_across_ranks():
-    plan = random_faults(20.0, ["nan", "crash", "hang"], steps=20_000, world=8, seed=3)
+    plan = _random(["nan", "crash", "hang"])
     gaps = np.diff([0] + [f.step for f in plan])
     assert 0.9 < gaps.mean() / 20.0 < 1.1
     assert {f.kind for f in plan} == {"nan", "crash", "hang"} and {f.rank for f in plan} == set(range(8))
-    assert plan == random_faults(20.0, ["nan", "crash", "hang"], steps=20_000, world=8, seed=3)
-    assert plan != random_faults(20.0, ["nan", "crash", "hang"], steps=20_000, world=8, seed=4)
+    assert plan == _random(["nan", "crash", "hang"])
+    assert plan != _random(["nan", "crash", "hang"], seed=4)
+
+
+def test_random_faults_last_long_enough_for_the_runs_own_recovery_to_act():
+    """A one-step NaN is only skipped and a one-step spike heals: the random ones are shaped by the run's
+    settings to roll back, and a damaged checkpoint is followed by a crash whose restart loads it."""
+    spike = SpikeConfig(persistence=4, warmup_steps=30, min_baseline=8)
+    plan = _random(["nan", "inf", "spike", "ckpt_corrupt", "node_loss"], steps=5000, spike=spike, nonfinite_limit=2)
+    nonfinite = [f for f in plan if f.kind in ("nan", "inf")]
+    assert {f.into for f in nonfinite} == {"loss", "grad", "param"}
+    # A parameter stays non-finite until the rollback; a loss or a gradient is poisoned nonfinite_limit steps.
+    assert all(f.steps == (1 if f.into == "param" else 2) for f in nonfinite)
+    spikes = [f for f in plan if f.kind == "spike"]
+    assert spikes and all(f.steps == 4 and f.step >= 30 and f.data == 1 for f in spikes)
+    corrupt = [f for f in plan if f.kind == "ckpt_corrupt"]
+    crashes = {(f.step, f.rank) for f in plan if f.kind == "crash"}
+    assert corrupt and len(crashes) == len(corrupt) and {s for s, _ in crashes} == {f.step for f in corrupt}
+    assert {f.rank for f in plan if f.kind == "node_loss"} == set(range(8))
+    assert all(parse_fault(str(f)) == f for f in plan)  # every drawn fault is a spec a person could write
 
 
 def test_nonfinite_faults_hit_the_parameter_the_gradient_and_every_micro_batch_loss(tmp_path):
@@ -212,3 +240,77 @@ def test_an_oom_fault_is_a_memory_that_holds_rows_sequences(tmp_path):
     assert [f.kind for f in plan.fired] == ["oom"]
     plan.begin_step(7)
     plan.at_step_start([], microbatch_rows=8)  # the fault's span (steps=1) is over
+
+
+def _injected(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "chaos" / "injected.jsonl").read_text().splitlines()]
+
+
+def test_a_fault_that_ends_the_process_waits_for_its_steps_ckpt_corrupt(tmp_path):
+    """The drill's crash once beat rank 0, still waiting for its save in flight before the flip, and the
+    restart loaded a clean checkpoint. The killing fault (here a hang of 0 s, which returns) is sequenced
+    after the flip by rank 0's marker, however late rank 0 gets there."""
+    faults = [parse_fault("ckpt_corrupt@step=5"), parse_fault("hang@step=5,rank=1,seconds=0")]
+    ranks = [FaultPlan(faults, rank, tmp_path) for rank in (0, 1)]
+    for plan in ranks:
+        plan.begin_step(5)
+    rank1 = threading.Thread(target=ranks[1].at_step_start, args=([], 1))
+    rank1.start()
+    rank1.join(timeout=0.5)
+    assert rank1.is_alive() and not (tmp_path / "chaos" / "injected.jsonl").exists()  # waiting for the flip
+    ranks[0].at_step_start([], 1, settle_checkpoints=lambda: time.sleep(0.2))  # the save in flight lands, then the flip
+    rank1.join(timeout=10)
+    assert [(e["kind"], e["rank"]) for e in _injected(tmp_path)] == [("ckpt_corrupt", 0), ("hang", 1)]
+
+
+def test_the_wait_for_ckpt_corrupt_is_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr("keel.chaos.faults._SEQUENCE_WAIT_S", 0.1)
+    plan = FaultPlan([parse_fault("ckpt_corrupt@step=5"), parse_fault("hang@step=5,rank=1,seconds=0")], 1, tmp_path)
+    plan.begin_step(5)
+    plan.at_step_start([], 1)  # rank 0 never gets there: the hang fires anyway, and says so
+    [entry] = _injected(tmp_path)
+    assert entry["kind"] == "hang" and entry["detail"] == "ckpt_corrupt of step 5 had not fired after 0 s"
+
+
+# A node of two workers, one under an intermediate process (as keel's agent forks its workers from a
+# server); worker 1 injects node_loss. The "agent" names itself in KEEL_AGENT_PID as keel's agent does,
+# or is a script called torchrun that exports nothing, as plain torchrun.
+_NODE = """
+import os, subprocess, sys, time
+if {export!r}:
+    os.environ["KEEL_AGENT_PID"] = str(os.getpid())
+worker = [sys.executable, "-c", "import time; time.sleep(60)"]
+injector = [sys.executable, "-c", {injector!r}]
+server = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); time.sleep(60)", *injector]
+children = [subprocess.Popen(worker), subprocess.Popen(server)]
+open({pids!r}, "w").write(" ".join(str(c.pid) for c in children))
+time.sleep(60)
+"""
+_INJECTOR = """
+from keel.chaos.fault_specs import parse_fault
+from keel.chaos.faults import FaultPlan
+plan = FaultPlan([parse_fault("node_loss@step=3,rank=1")], 1, {run_dir!r})
+plan.begin_step(3)
+plan.at_step_start([], 1)
+"""
+
+
+def _ended(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] in "ZX"  # a zombie: dead, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("export", [True, False], ids=["KEEL_AGENT_PID", "plain torchrun"])
+def test_node_loss_kills_the_agent_and_every_worker_after_recording_itself(tmp_path, export):
+    agent_script = tmp_path / "torchrun"
+    pids = tmp_path / "pids"
+    agent_script.write_text(_NODE.format(export=export, injector=_INJECTOR.format(run_dir=str(tmp_path)), pids=str(pids)))
+    env = {k: v for k, v in os.environ.items() if k != "KEEL_AGENT_PID"}
+    agent = subprocess.Popen([sys.executable, str(agent_script)], env=env)
+    assert agent.wait(timeout=120) == -signal.SIGKILL
+    assert all(_ended(int(pid)) for pid in pids.read_text().split())
+    [entry] = _injected(tmp_path)  # written (and fsync'd) before the kill
+    how = "KEEL_AGENT_PID" if export else "KEEL_AGENT_PID unset: the nearest ancestor running torchrun"
+    assert entry["kind"] == "node_loss" and entry["detail"] == f"agent {agent.pid} ({how}) and the 3 processes under it"
