@@ -3,23 +3,42 @@
 - in-process rollback: from the end of the step that confirmed a loss spike to the start of the first
   step after the rollback, against the median step time and the checkpoint load (target: under two
   step times plus the load);
-- hang recovery: detection (watchdog), restart (torchrun stops and starts the group), and resume
-  (process group, model build, checkpoint load) until the first step after the hang starts.
+- faults that end a process (hang, deadlock, crash, segfault, and an out-of-memory with collectives in
+  flight), one run each, at dp2 unless told otherwise: detection (from the fault to the failure being known: the watchdog's
+  kill, the process's death, the out-of-memory handler), restart (from there to the new workers'
+  start: the watchdog's grace for the other ranks' dumps, torchrun stopping and starting the group,
+  imports) and resume (from the new workers' start to their first step: process group, model build,
+  checkpoint load), each next to its target.
 
-    python bench/recovery_times.py                     # both, small preset
-    python bench/recovery_times.py --only rollback
+Targets. Detection: a hang within the watchdog's step allowance, max(floor_s, step_factor x the median
+step), plus one poll; a deadlock (the GIL held) the same, since the waiting ranks' watchdogs see it too
+(the stuck rank's own faulthandler backstop comes two polls later); a crash, segfault or out-of-memory
+within a second. Restart: the watchdog's grace of three polls (hang, deadlock) plus 10 s for torchrun
+and the imports on two cores. Resume: 10 s plus the checkpoint load.
+
+    python bench/recovery_times.py                                 # every kind, tiny preset
+    python bench/recovery_times.py --only hang --preset small --pp=2 --dp=2 --tp=2 --training.microbatches=4   # the main job
+    python bench/recovery_times.py --only hang --watchdog.floor_s=60   # the old floor, for comparison
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from keel.monitor.run_dir import CHAOS_DIR, INJECTED_FILE, MICROBATCH_FILE
 from keel.monitor.store import read_events, read_steps
+from keel.trainer.config import WatchdogConfig, load_config
+
+KINDS = ("hang", "deadlock", "crash", "segfault", "oom")
+FAULT_STEP = 20
+SETUP = ["--dp=2", "--pp=1", "--tp=1", "--steps=30", "--checkpoint.interval_steps=10", "--training.microbatches=1"]
+RESTART_TARGET_S, RESUME_TARGET_S, PROCESS_DEATH_TARGET_S = 10.0, 10.0, 1.0
 
 
 def keel_train(run_dir: Path, *args: str) -> None:
@@ -31,6 +50,10 @@ def keel_train(run_dir: Path, *args: str) -> None:
 def first_step_start(steps, attempt: int) -> float:
     row = steps[steps.attempt == attempt].sort_values("time").iloc[0]
     return row.time - row.step_time_s
+
+
+def verdict(value: float, target: float) -> str:
+    return f"{value:6.2f} s (target < {target:5.2f} s: {'holds' if value < target else 'MISSED'})"
 
 
 def rollback(tmp: Path, preset: str) -> None:
@@ -57,47 +80,58 @@ def rollback(tmp: Path, preset: str) -> None:
         f"checkpoint load {load:.3f} s, median step {step_s:.3f} s"
     )
     steps_taken = (took - load) / step_s
-    verdict = "holds" if steps_taken < 2 else "MISSED"
-    print(f"  rollback - load = {took - load:.3f} s = {steps_taken:.2f} step times; target < 2: {verdict}")
+    print(f"  rollback - load = {took - load:.3f} s = {steps_taken:.2f} step times; target < 2: {'holds' if steps_taken < 2 else 'MISSED'}")
 
 
-def hang(tmp: Path, preset: str) -> None:
-    run_dir = tmp / "hang"
-    keel_train(
-        run_dir,
-        f"--config={preset}",
-        "--dp=2",
-        "--pp=1",
-        "--tp=1",
-        "--steps=30",
-        "--checkpoint.interval_steps=10",
-        "--fault=hang@step=20,rank=1",
-        "--watchdog.floor_s=5",
-        "--watchdog.warmup_steps=3",
-    )
+def fault(tmp: Path, preset: str, kind: str, watchdog: WatchdogConfig, extra: list[str]) -> None:
+    """One run with `kind` on rank 1 at FAULT_STEP; prints its detection, restart and resume."""
+    run_dir = tmp / kind
+    spec = f"{kind}@step={FAULT_STEP},rank=1" + (",rows=2" if kind == "oom" else "")
+    keel_train(run_dir, f"--config={preset}", *SETUP, f"--fault={spec}", *extra)
     steps, events = read_steps(run_dir), read_events(run_dir)
-    h = events[events.kind == "hang"].iloc[0]
-    started = events[(events.kind == "run_started") & (events.attempt == h.attempt + 1)].iloc[0]
-    restart_s = started.data["process_start"] - h.time
-    resume_s = first_step_start(steps, h.attempt + 1) - started.data["process_start"]
-    load = events[(events.kind == "checkpoint_loaded") & (events.attempt == h.attempt + 1)].iloc[0].data["load_s"]
-    print(f"hang recovery ({preset}, dp2, watchdog floor 5 s):")
-    print(f"  detection {h.data['stalled_s']:.1f} s (timeout {h.data['timeout_s']:.1f} s)")
-    print(f"  restart   {restart_s:.1f} s (dumps, 3 s grace for the other ranks' dumps, torchrun stop and start, imports)")
-    print(f"  resume    {resume_s:.1f} s (process group, model build, checkpoint load {load:.2f} s) until the first step")
-    print(f"  total     {h.data['stalled_s'] + restart_s + resume_s:.1f} s")
+    fired = min(json.loads(line)["time"] for line in (run_dir / CHAOS_DIR / INJECTED_FILE).read_text().splitlines())
+    median = statistics.median(steps[steps.attempt == 0].step_time_s.iloc[watchdog.warmup_steps :])
+    allowance = max(watchdog.floor_s, watchdog.step_factor * median)
+    detected, target = _detection(run_dir, events, kind, fired, allowance + watchdog.poll_s)
+    started = events[(events.kind == "run_started") & (events.attempt > 0)].iloc[0]
+    restart_s = started.data["process_start"] - detected
+    resume_s = first_step_start(steps, started.attempt) - started.data["process_start"]
+    loaded = events[(events.kind == "checkpoint_loaded") & (events.attempt == started.attempt)]
+    load_s = loaded.iloc[0].data["load_s"] if len(loaded) else 0.0
+    grace = 3 * watchdog.poll_s if kind in ("hang", "deadlock") else 0.0
+    layout = events[events.kind == "run_started"].iloc[0].message
+    print(f"{kind} ({preset}, {layout}; median step {median:.3f} s, step allowance {allowance:.2f} s):")
+    print(f"  detect  {verdict(detected - fired, target)}")
+    print(f"  restart {verdict(restart_s, grace + RESTART_TARGET_S)}")
+    print(f"  resume  {verdict(resume_s, RESUME_TARGET_S + load_s)} (checkpoint load {load_s:.2f} s)")
+    print(f"  total   {started.data['process_start'] - fired + resume_s:6.2f} s from the fault to the next step")
+
+
+def _detection(run_dir: Path, events, kind: str, fired: float, hang_target: float) -> tuple[float, float]:
+    """When the failure was known, and the detection target: the hang event for hangs and deadlocks, the
+    out-of-memory handler's record, or the agent's record of the dead process."""
+    if kind in ("hang", "deadlock"):
+        hang = events[events.kind == "hang"].iloc[0]
+        return hang.data.get("detected_at", hang.time), hang_target
+    if kind == "oom":
+        return json.loads((run_dir / MICROBATCH_FILE).read_text())["time"], PROCESS_DEATH_TARGET_S
+    # The agent's record of the failure when it keeps one; else the fault itself, which killed the process.
+    return events[events.kind == "restart"].iloc[0].data.get("time", fired), PROCESS_DEATH_TARGET_S
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="small")
-    ap.add_argument("--only", choices=["rollback", "hang"])
-    args = ap.parse_args()
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--only", help=f"comma-separated: rollback and any of {', '.join(KINDS)}")
+    args, extra = ap.parse_known_args()  # the rest goes to every fault run (after SETUP, so it wins), e.g. --watchdog.floor_s=60
+    chosen = args.only.split(",") if args.only else ["rollback", *KINDS]
+    watchdog = load_config(None, [a for a in extra if a.lstrip("-").startswith("watchdog.")]).watchdog
     with tempfile.TemporaryDirectory() as tmp:
-        if args.only in (None, "rollback"):
+        if "rollback" in chosen:
             rollback(Path(tmp), args.preset)
-        if args.only in (None, "hang"):
-            hang(Path(tmp), args.preset)
+        for kind in KINDS:
+            if kind in chosen:
+                fault(Path(tmp), args.preset, kind, watchdog, extra)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ MARKERS = {
     "nonfinite": ("non-finite skip", "#d62728"), "rollback": ("rollback", "#2ca02c"), "skip_data": ("data skip", "#98df8a"),
     "bad_batch": ("bad batch", "#bcbd22"), "checkpoint_saved": ("checkpoint saved", "#c7c7c7"),
     "checkpoint_corrupt": ("checkpoint corrupt", "#8c564b"), "hang": ("hang", "#9467bd"), "restart": ("restart", "#17becf"),
-    "oom": ("out of memory", "#e377c2"), "straggler": ("straggler", "#ff7f0e"), "fault_injected": ("injected fault", "#7f7f7f"),
+    "node_loss": ("node loss", "#393b79"),
+    "oom": ("out of memory", "#e377c2"), "oom_retry": ("micro-batch retry", "#74c476"), "straggler": ("straggler", "#ff7f0e"),
+    "fault_injected": ("injected fault", "#7f7f7f"),
     "alert": ("alert", "#ff2d2d"),
 }  # fmt: skip
 MARKER_KINDS = {kind: word for kind, (word, _) in MARKERS.items()}

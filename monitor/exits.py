@@ -16,6 +16,7 @@ EXIT_HANG = 3  # the hang watchdog fired (a worker's exit code; torchrun restart
 EXIT_ROLLBACK_CAP = 4  # too many rollbacks without progress: the run stopped instead of looping
 EXIT_OOM_RESTART = 5  # out of memory with collectives in flight: restart with half the micro-batch
 EXIT_OOM = 6  # out of memory and the micro-batch cannot be halved again
+EXIT_RESTART_CAP = 7  # the workers failed too many times in a row without progress (keel.trainer.restarts)
 EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as a shell reports it
 
 
@@ -27,4 +28,5 @@ EXIT_MEANINGS = {
     EXIT_ROLLBACK_CAP: "rollback cap reached",
     EXIT_OOM_RESTART: "OOM restart",
     EXIT_OOM: "out of memory at the smallest micro-batch",
+    EXIT_RESTART_CAP: "restart budget spent: failures in a row without progress",
 }

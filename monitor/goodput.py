@@ -2,8 +2,9 @@
 
 Productive time is the step time of the effective trajectory (the rows `read_steps(effective=True)`
 keeps) minus the steps the NaN guard skipped. The lost time is kept by cause: steps recomputed after a
-rollback or restart, skipped steps, time down between a failure and the restart, hangs, checkpoint
-saves and loads, and "other" (start-up, idle, whatever the records do not explain).
+rollback or restart, skipped steps, time down between a failure and the restart, hangs, the slower
+steps of a micro-batch halved after an out-of-memory, checkpoint saves and loads, and "other" (start-up,
+idle, whatever the records do not explain).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pandas as pd
 
 from keel.monitor.store import abandoned_mask, read_events, read_steps
 
-CAUSES = ("recomputed", "skipped", "restart", "hang", "checkpoint", "other")
+CAUSES = ("recomputed", "skipped", "restart", "node_loss", "hang", "oom", "checkpoint", "other")
 
 
 @dataclass
@@ -112,18 +113,24 @@ def compute_goodput(steps: pd.DataFrame, events: pd.DataFrame, end_time: float |
     step_time = _wall_bounded(steps, _column(steps, "step_time_s", 0.0))
     abandoned = abandoned_mask(steps)
     skipped = _column(steps, "skipped", 0.0) == 1
-    productive = float(step_time[~abandoned & ~skipped].sum())
+    counted = ~abandoned & ~skipped
+    productive = float(step_time[counted].sum())
     # A hang's stall lies inside another measured span, and is counted once, as the hang: in a restart's
     # down time when the watchdog's kill led to the restart (down time runs from the last step recorded
     # to the new process), otherwise in the step that stalled and then went on.
     hang = _duration_sum(events, "hang", "stalled_s")
     down = _duration_sum(events, "restart", "down_s")
     productive -= min(productive, hang - min(hang, down))
+    oom = min(productive, _halved_microbatch_excess(steps, step_time, counted, events))
+    productive -= oom
     lost = {
         "recomputed": float(step_time[abandoned].sum()),
         "skipped": float(step_time[~abandoned & skipped].sum()),
         "restart": down - min(hang, down),
+        # From the last step a vanished group recorded to the resumed one's start (node_loss.down_s).
+        "node_loss": _duration_sum(events, "node_loss", "down_s"),
         "hang": hang,
+        "oom": oom,
         # A rollback's checkpoint load is also recorded by its checkpoint_loaded event, so rollback.load_s
         # is not added here.
         "checkpoint": _duration_sum(events, "checkpoint_saved", "blocking_s") + _duration_sum(events, "checkpoint_loaded", "load_s"),
@@ -132,6 +139,32 @@ def compute_goodput(steps: pd.DataFrame, events: pd.DataFrame, end_time: float |
     # spans above are disjoint, so productive + lost = wall.
     lost["other"] = max(wall - productive - sum(lost.values()), 0.0)
     return Goodput(wall_s=wall, productive_s=productive, lost_s={c: lost[c] for c in CAUSES})
+
+
+def _halved_microbatch_excess(steps: pd.DataFrame, step_time: pd.Series, counted: pd.Series, events: pd.DataFrame) -> float:
+    """Time lost to a micro-batch halved after an out-of-memory: for each counted step that ran with more
+    micro-batches than the job's own setting, the median such step's time beyond the median counted step
+    at the job's setting. Medians on both sides: the first steps after a restart are slow whatever the
+    micro-batch, and would count as lost to it. A step's setting is the one the last `oom` or `oom_retry`
+    event before its end set (the job's own before the first). With no step at the job's own setting
+    there is nothing to compare with: none."""
+    if not {"kind", "data", "time"} <= set(events) or "time" not in steps or steps.empty:
+        return 0.0
+    changes = events[events["kind"].isin(["oom", "oom_retry"])].sort_values("time")
+    data = [_data(d) for d in changes["data"]]
+    known = [isinstance(d.get("microbatches"), int) for d in data]
+    changes, data = changes[known], [d for d, ok in zip(data, known) if ok]
+    if not data:
+        return 0.0
+    # Halvings double the job's own setting and retries stop at it: the least setting named is the job's own.
+    own = min(v for d in data for v in (d.get("microbatches"), d.get("previous"), d.get("configured")) if isinstance(v, int))
+    settings = pd.Series([own] + [d["microbatches"] for d in data]).to_numpy()
+    at = settings[_column(changes, "time", math.nan).searchsorted(_column(steps, "time", math.nan))]
+    halved = counted & (at > own)
+    reference = step_time[counted & (at == own)]
+    if reference.empty or not halved.any():
+        return 0.0
+    return float(halved.sum() * max(step_time[halved].median() - reference.median(), 0.0))
 
 
 def _wall_bounded(steps: pd.DataFrame, step_time: pd.Series) -> pd.Series:

@@ -94,7 +94,9 @@ COUNTERS = (
     MetricSpec("keel_checkpoints_corrupt_total", "counter", "", "Checkpoints that failed verification on load.", "checkpoint_corrupt"),
     MetricSpec("keel_hangs_total", "counter", "", "Hangs the watchdog detected.", "hang"),
     MetricSpec("keel_oom_total", "counter", "", "Out-of-memory errors recovered by halving the micro-batch.", "oom"),
+    MetricSpec("keel_oom_retries_total", "counter", "", "Retries of the larger micro-batch after an out-of-memory.", "oom_retry"),
     MetricSpec("keel_restarts_total", "counter", "", "Restarts of the worker group.", "restart"),
+    MetricSpec("keel_node_losses_total", "counter", "", "Resumes after the run's processes vanished with no record.", "node_loss"),
     MetricSpec("keel_faults_injected_total", "counter", "", "Faults injected by chaos hooks or drills.", "fault_injected"),
     MetricSpec("keel_alerts_total", "counter", "", "Alerts raised by Keel, by kind and severity.", "alert"),
 )

@@ -9,7 +9,8 @@
         checkpoints/step-XXXXXXXX/   finished checkpoints, each with its manifest.json (keel.trainer.checkpoint)
         chaos/injected.jsonl         one line per injected fault, beside the faults' fire-once markers
         control/faults/              live fault requests left by `keel inject`
-        control/microbatches.json    the micro-batch setting an out-of-memory restart hands to the next attempt
+        control/microbatches.json    the micro-batch after an out-of-memory error, and when to retry the job's own (keel.trainer.oom)
+        control/failures.jsonl       each failure of the worker group: who, why, restarted or not (keel.trainer.restarts)
         drills/drill-<time>/         `keel drill`'s runs and reports
         wandb/offline-run-*/         W&B's offline runs, for `wandb sync` (keel.monitor.wandb_sink)
 
@@ -34,6 +35,8 @@ INJECTED_FILE = "injected.jsonl"
 CONTROL_DIR = "control"
 FAULT_REQUEST_DIR = Path(CONTROL_DIR) / "faults"
 MICROBATCH_FILE = Path(CONTROL_DIR) / "microbatches.json"
+FAILURES_FILE = Path(CONTROL_DIR) / "failures.jsonl"
+AGENT_LOG = "agent.log"  # in LOG_DIR: torchrun's own log lines and tracebacks, kept off the console
 DRILL_DIR = "drills"
 WANDB_DIR = "wandb"  # wandb.init(dir=RUN_DIR) names it
 

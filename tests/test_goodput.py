@@ -79,7 +79,16 @@ def test_restart_counts_down_time_and_takes_the_first_process_start():
         "wall_s": 16.0,
         "productive_s": 8.0,
         "goodput": 0.5,
-        "lost_s": {"recomputed": 2.0, "skipped": 0.0, "restart": 3.0, "hang": 0.0, "checkpoint": 1.0, "other": 2.0},
+        "lost_s": {
+            "recomputed": 2.0,
+            "skipped": 0.0,
+            "restart": 3.0,
+            "node_loss": 0.0,
+            "hang": 0.0,
+            "oom": 0.0,
+            "checkpoint": 1.0,
+            "other": 2.0,
+        },
     }
 
 

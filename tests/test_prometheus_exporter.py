@@ -58,7 +58,9 @@ def test_every_vocabulary_metric_is_exported_with_run_id():
         "keel_rank_busy_seconds": "gauge", "keel_run_ended": "gauge", "keel_step_duration_seconds": "histogram", "keel_nonfinite_steps_total": "counter", "keel_loss_spikes_total": "counter",
         "keel_rollbacks_total": "counter", "keel_data_skips_total": "counter", "keel_checkpoints_total": "counter",
         "keel_checkpoints_corrupt_total": "counter", "keel_hangs_total": "counter", "keel_oom_total": "counter",
-        "keel_restarts_total": "counter", "keel_faults_injected_total": "counter", "keel_alerts_total": "counter",
+        "keel_oom_retries_total": "counter",
+        "keel_restarts_total": "counter", "keel_node_losses_total": "counter", "keel_faults_injected_total": "counter",
+        "keel_alerts_total": "counter",
     }  # fmt: skip
     assert "_created" not in text  # one series per metric, not two
     assert samples["keel_loss"].value == 2.5 and samples["keel_loss"].labels == {"run_id": "r1"}

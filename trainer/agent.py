@@ -10,28 +10,48 @@ and a fork copies whatever lock another thread held at that moment (a worker onc
 getaddrinfo, on glibc's resolver lock). The server is a fresh interpreter with no other thread, and
 it ends with the agent (keel.trainer.fork_server). Any other worker module is started as torchrun starts it.
 
+Started by `keel train` (which names the run directory in KEEL_RUN_DIR), the agent also decides each
+restart by Keel's budget of `--max-restarts` failures in a row without progress (keel.trainer.restarts)
+rather than torchrun's life-long count of them, prints one line
+per failure naming the rank that failed first, and keeps torchrun's own log lines and tracebacks in
+RUN_DIR/logs/agent.log, off the console.
+
     python -m keel.trainer.agent TORCHRUN_ARGS...   # exactly `torchrun TORCHRUN_ARGS...`
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import sys
+import time
 import traceback
+from pathlib import Path
 
 import torch.distributed.run as torchrun
+from torch.distributed.elastic.agent.server.api import WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from keel.monitor.run_dir import AGENT_LOG, LOG_DIR
 from keel.trainer.forked_worker import forked_main
+from keel.trainer.restarts import RUN_DIR_ENV, TORCHRUN_MAX_RESTARTS, RestartBudget
 
 WORKER_MODULE = "keel.trainer.train"
+AGENT_PID_ENV = "KEEL_AGENT_PID"  # the agent's pid, for the workers: what a node_loss fault kills
 
 
-def forking(config_from_args):
-    """torchrun's config_from_args, with Keel's worker module turned into a function forked by the server."""
+def keel_config(config_from_args):
+    """torchrun's config_from_args, with Keel's restart budget when `keel train` named a run directory,
+    and Keel's worker module turned into a function forked by the server."""
 
     def config_with_forked_workers(args):
         config, cmd, cmd_args = config_from_args(args)
+        run_dir = os.environ.get(RUN_DIR_ENV)
+        if run_dir:
+            budget = RestartBudget(run_dir, config.max_restarts)
+            config.max_restarts = TORCHRUN_MAX_RESTARTS
+            LocalElasticAgent._monitor_workers = budgeted(LocalElasticAgent._monitor_workers, budget)
         if not (args.module and args.training_script == WORKER_MODULE):
             return config, cmd, cmd_args
         multiprocessing.get_context("forkserver").set_forkserver_preload(["keel.trainer.fork_server"])
@@ -41,13 +61,65 @@ def forking(config_from_args):
     return config_with_forked_workers
 
 
+def budgeted(monitor_workers, budget: RestartBudget):
+    """torchrun's monitor of the worker group, with Keel's decision after each failure: the failure is
+    attributed and recorded, one line goes to the console, and a spent budget stops torchrun's restarts."""
+    since = time.time()
+
+    def monitor(agent: LocalElasticAgent, worker_group):
+        nonlocal since
+        result = monitor_workers(agent, worker_group)
+        if result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY) or not result.failures:
+            return result
+        exits = _exit_statuses(agent, worker_group, result.failures)
+        failure = budget.record(exits, 0, since)
+        since = failure.time
+        print(failure.console_line(budget.max_in_a_row), file=sys.stderr, flush=True)
+        if failure.gave_up:
+            agent._remaining_restarts = 0  # torchrun stops the group and returns the failure
+        return result
+
+    return monitor
+
+
+def _exit_statuses(agent: LocalElasticAgent, worker_group, failures: dict) -> dict[int, int]:
+    """Every local rank's exit status by global rank. torchrun's result names one failed process; the
+    forked processes it stopped still hold their own statuses (-SIGTERM for those it stopped)."""
+    exits = {rank: failure.exitcode for rank, failure in failures.items()}
+    processes = getattr(getattr(agent._pcontext, "_pc", None), "processes", None) or []
+    for local_rank, process in enumerate(processes):
+        if process.exitcode is not None:
+            exits.setdefault(worker_group.workers[local_rank].global_rank, process.exitcode)
+    return exits
+
+
+def _logs_off_console(run_dir: Path) -> None:
+    """torchrun's log lines (a traceback per failure, most of them about the peers that saw a connection
+    drop) go to RUN_DIR/logs/agent.log; the console gets Keel's one line per failure."""
+    (run_dir / LOG_DIR).mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / LOG_DIR / AGENT_LOG)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    # torch gives its own stderr handler to "torch" and to some packages below it (torch.distributed).
+    names = ["torch", *(n for n in logging.root.manager.loggerDict if n.startswith("torch."))]
+    for logger in map(logging.getLogger, names):
+        console = [h for h in logger.handlers if type(h) is logging.StreamHandler]
+        for old in console:
+            logger.removeHandler(old)
+        if console:
+            logger.addHandler(handler)
+
+
 def run_agent() -> int:
     """torchrun's exit status: 0, SystemExit's code (argparse's 2), or 1 with the traceback for any other
     exception, as the interpreter gives. Ctrl-C also gives 1 here, where the interpreter would end by
     SIGINT; `keel train` gets the same Ctrl-C and returns its own code."""
     # torchrun's run() launches whatever entrypoint config_from_args gives it: the one place to swap the
     # worker command for a forked function without writing run() again.
-    torchrun.config_from_args = forking(torchrun.config_from_args)
+    torchrun.config_from_args = keel_config(torchrun.config_from_args)
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if run_dir:
+        os.environ[AGENT_PID_ENV] = str(os.getpid())
+        _logs_off_console(Path(run_dir))
     try:
         torchrun.main()
     except SystemExit as e:  # argparse's usage errors (2), or an explicit exit
@@ -56,7 +128,10 @@ def run_agent() -> int:
         print(e.code, file=sys.stderr)
         return 1
     except BaseException:  # a worker failed past its restarts (ChildFailedError), or a signal
-        traceback.print_exc()
+        if run_dir:  # the console has had its line per failure; `keel train` says how the run ended
+            logging.getLogger("torch").error("torchrun ended with a failure\n%s", traceback.format_exc())
+        else:
+            traceback.print_exc()
         return 1
     return 0
 

@@ -67,6 +67,9 @@ class DataConfig:
     # "builtin" reads the Python standard library's source as bytes; anything else is a path to a
     # uint16 token file (nanoGPT's .bin format), made with `keel prepare-data`.
     source: str = "builtin"
+    # The tokenizer.json the job's model expects ("": not checked): a token file whose sidecar names
+    # another tokenizer (by sha256) is refused before any worker starts.
+    tokenizer: str = ""
     seq_len: int = 64
     # Batch index ranges never read, e.g. ["80:107"] (end excluded): a run that skips what another
     # run's rollback skipped, for a like-for-like comparison (the rollback event says which batches).
@@ -226,9 +229,14 @@ class RecoveryConfig:
     lr_factor_steps: int = 0  # ... for this many steps (0: no change)
     max_rollbacks: int = 3  # rollbacks without getting past the last rollback's step before the run stops
     oom_halve_microbatch: bool = True  # on out-of-memory, retry with half the micro-batch (twice the micro-batches)
+    # After a halving, try the larger micro-batch again this many steps later (0: keep the smaller one) ...
+    oom_retry_steps: int = 100
+    oom_retry_backoff: int = 2  # ... and wait this many times longer after a retry that ran out of memory again
 
     def validate(self) -> None:
         at_least("recovery.nonfinite_limit", self.nonfinite_limit, 1)
+        at_least("recovery.oom_retry_steps", self.oom_retry_steps, 0, "0 keeps the halved micro-batch for the rest of the run")
+        at_least("recovery.oom_retry_backoff", self.oom_retry_backoff, 1, "1 retries at the same interval every time")
         at_least("recovery.skip_margin", self.skip_margin, 0)
         at_least("recovery.max_rollbacks", self.max_rollbacks, 0)
         at_least("recovery.lr_factor_steps", self.lr_factor_steps, 0)
@@ -239,9 +247,10 @@ class RecoveryConfig:
 @dataclass
 class WatchdogConfig:
     enabled: bool = True
-    floor_s: float = 60.0  # a step may always take this long
-    step_factor: float = 5.0  # ... or this many times the longest step seen after warmup_steps
-    warmup_steps: int = 3  # steps timed by startup_s (compilation, first allocations)
+    floor_s: float = 10.0  # a step may always take this long (a stall of a loaded machine is not a hang) ...
+    step_factor: float = 5.0  # ... or this many times the median of the last `window` steps (the step after a checkpoint: twice that)
+    window: int = 50  # steps whose median sets the allowance
+    warmup_steps: int = 3  # steps of each process timed by startup_s (compilation, first allocations, first profiled step)
     startup_s: float = 600.0  # start-up until the first step ends: process group, model build, resume
     checkpoint_s: float = 600.0  # a checkpoint save or load
     poll_s: float = 1.0  # how often the watchdog looks
@@ -251,6 +260,7 @@ class WatchdogConfig:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"watchdog.{name}={getattr(self, name)}: must be positive (seconds)")
         at_least("watchdog.step_factor", self.step_factor, 1.0)
+        at_least("watchdog.window", self.window, 1)
         at_least("watchdog.warmup_steps", self.warmup_steps, 0)
 
 
@@ -268,6 +278,8 @@ class ChaosConfig:
         for spec in self.faults:
             parse_fault(spec)
         at_least("chaos.mtbf_steps", self.mtbf_steps, 0, "0 turns random faults off")
+        if self.mtbf_steps > 0 and not self.random_kinds:
+            raise ConfigError("chaos.random_kinds is empty; list the kinds to draw (e.g. 'nan;crash') or set chaos.mtbf_steps=0")
         for kind in self.random_kinds:
             if kind not in KINDS:
                 raise ConfigError(f"chaos.random_kinds: unknown fault '{kind}'; choose from {list(KINDS)}")
@@ -366,7 +378,7 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             raise ConfigError(f"{key}={value!r}: choose one of {list(get_args(annotation))}")
         return value
     if annotation == list[str]:
-        items = value.split(";") if isinstance(value, str) else value
+        items = _list_from_text(key, value) if isinstance(value, str) else value
         if not isinstance(items, list):
             raise ConfigError(f"{key}={value!r}: expected a list of strings; fix the value")
         return [str(v).strip() for v in items if str(v).strip()]
@@ -376,6 +388,16 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         return _SCALAR_PARSERS[annotation](value)
     except (TypeError, ValueError):
         raise ConfigError(f"{key}={value!r}: expected {annotation.__name__}; fix the value") from None
+
+
+def _list_from_text(key: str, text: str) -> list:
+    """A list given on the command line: 'a;b', or as TOML writes it, '["a", "b"]' (what the config file holds)."""
+    if not text.lstrip().startswith("["):
+        return text.split(";")
+    try:
+        return tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{key}={text!r}: not a TOML list ({e}); write '[\"a\", \"b\"]' or 'a;b'") from None
 
 
 def _apply(cfg: JobConfig, section: str, key: str, value: Any) -> None:

@@ -6,11 +6,13 @@ hold no recorder), so the train loop calls them unconditionally.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 from keel.monitor.alerts import Alert
 from keel.monitor.detectors import Finding
 from keel.monitor.recorder import RunRecorder
 from keel.trainer.checkpoint import Restored, SaveResult
+from keel.trainer.restarts import Failure
 
 # Detector findings: (event kind, severity, alert name or None). A confirmed spike is acted on
 # (rollback); an outlier that may heal and a grad-norm jump are reported, not acted on.
@@ -145,14 +147,48 @@ class Incidents:
                     data={"path": str(r.path), "blocking_s": r.blocking_s, "total_s": r.total_s, "removed": r.removed},
                 )
 
-    def restart(self, attempt: int, restart_count: int, down_s: float, step: int) -> None:
+    def restart(self, attempt: int, restart_count: int, down_s: float, step: int, failure: Failure | None) -> None:
+        """The restart of the worker group, with the failure that caused it as the agent attributed it;
+        an injected fault that ended its process is recorded here, as it could not record itself."""
+        cause = f" after {failure.describe()}" if failure else ""
+        data = {"restart_count": restart_count, "down_s": down_s, **(asdict(failure) if failure else {})}
         self._note(
             "restart",
-            f"workers restarted by torchrun (restart {restart_count}), resuming at step {step + 1}",
+            f"workers restarted{cause} (restart {restart_count}), resuming at step {step + 1}",
             "warning",
             step=step,
             attempt=attempt,
-            data={"restart_count": restart_count, "down_s": down_s},
+            rank=failure.rank if failure else None,
+            data=data,
+        )
+        if failure and failure.fault:
+            self._injected_kill(failure, attempt - 1)
+
+    def node_loss(self, attempt: int, down_s: float, step: int, last_step: int, failure: Failure | None) -> None:
+        """A resume after the run's processes ended with no record of it (a node lost, or the job killed
+        from outside): the gap is lost time."""
+        self._note(
+            "node_loss",
+            f"the run's processes vanished after step {last_step}; resumed {down_s:.0f} s later at step {step + 1}",
+            "critical",
+            step=step,
+            attempt=attempt,
+            data={"down_s": down_s, "last_step": last_step},
+            alert="node_loss",
+        )
+        if failure and failure.fault:
+            self._injected_kill(failure, attempt - 1)
+
+    def _injected_kill(self, failure: Failure, attempt: int) -> None:
+        self._note(
+            "fault_injected",
+            f"fault injected on {'the node' if failure.rank is None else f'rank {failure.rank}'} at step {failure.fault_step}: "
+            f"{failure.fault} (it ended the process)",
+            "warning",
+            step=failure.fault_step,
+            attempt=attempt,
+            rank=failure.rank,
+            data={"fault": failure.fault},
         )
 
     def hang(self, info: dict) -> None:
@@ -184,6 +220,15 @@ class Incidents:
             rank=rank,
             data={"microbatches": new, "previous": old, "how": how},
             alert="oom",
+        )
+
+    def oom_retry(self, step: int, attempt: int, old: int, new: int, configured: int) -> None:
+        self._note(
+            "oom_retry",
+            f"micro-batches {old} -> {new} at step {step}: the larger micro-batch again after an out-of-memory",
+            step=step,
+            attempt=attempt,
+            data={"microbatches": new, "previous": old, "configured": configured},
         )
 
     def stragglers(self, step: int, attempt: int, flagged: list[tuple[int, float]]) -> None:

@@ -1,6 +1,11 @@
 """`keel train`: parse flags and overrides, validate everything, then start torchrun with pp·dp·tp workers;
 at the end, print the commands that show the run and upload its offline W&B runs.
 
+torchrun restarts failed workers as Keel's budget allows (keel.trainer.restarts, decided in the agent).
+When the agent itself is killed (SIGKILL: the node's processes vanished), `keel train` resumes the run
+as a cluster scheduler would requeue it, under the same budget. When the budget is spent, it records
+`run_stopped` with an alert and prints the command that resumes the run.
+
 All checks that can fail on user input run here, before any worker exists, so a mistake costs one
 line of output and not a stack trace from eight processes.
 """
@@ -18,16 +23,17 @@ import sys
 import time
 from pathlib import Path
 
-from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM
+from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, EXIT_RESTART_CAP
 from keel.monitor.redact import REDACTED
 from keel.monitor.run_dir import CONFIG_FILE, DUMP_DIR, STORE_FILE, wandb_offline_runs
 from keel.monitor.run_lock import RunDirBusy, check_free
 from keel.monitor.store import last_event
 from keel.trainer.config import ConfigError, JobConfig, check_run_dir, load_config, validate
-from keel.trainer.data import open_tokens
+from keel.trainer.data import open_job_tokens
 from keel.trainer.lifetime import end_with_parent
 from keel.trainer.manifest import config_record, newest_manifest, vet_resume
 from keel.trainer.model_args import allocated_params, model_args
+from keel.trainer.restarts import RUN_DIR_ENV, Failure, RestartBudget, last_failure
 
 # Flags passed through to torchrun so that the same command spans machines.
 TORCHRUN_OPTIONS = (
@@ -89,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="max_restarts",
         type=int,
         default=3,
-        help="torchrun restarts the workers this many times after a failure (hang, crash, OOM); default 3",
+        help="failures in a row without progress (no step past the previous failure's) before the run stops; "
+        "a failure after progress starts the count again; default 3",
     )
     return p
 
@@ -225,7 +232,7 @@ def main(argv: list[str]) -> int:
         check_run_dir(cfg.run.run_dir)
         check_free(cfg.run.run_dir)  # a trainer still on this run (a resume beside it) is refused here
         # A missing, empty or too-wide data file fails here, once, not in every worker.
-        data = open_tokens(cfg.data.source, cfg.data.seq_len, model_args(cfg).vocab_size)
+        data = open_job_tokens(cfg)
         check_model_fits(cfg, opts.nnodes)
         layout_change = check_resume(cfg, data.version) if cfg.run.resume else None
         worker_argv = _strip_torchrun_values(argv) + [f"--run.run_id={cfg.run.run_id}", f"--run.run_dir={cfg.run.run_dir}"]
@@ -245,13 +252,48 @@ def main(argv: list[str]) -> int:
     # ignores SIGINT, yet torchrun handles it anyway and stops the workers, so this process must too.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        # torchrun ends with this process (and its workers with torchrun): nothing trains on unwatched.
-        code = subprocess.call(cmd, env=worker_env(cfg, opts, run_dir), preexec_fn=end_with_parent)
+        code = run_torchrun(cmd, {**worker_env(cfg, opts, run_dir), RUN_DIR_ENV: str(run_dir)}, run_dir, opts.max_restarts)
     except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the workers
         return EXIT_INTERRUPTED
+    code = exit_code_of_run(run_dir, code)
+    if code == EXIT_RESTART_CAP:
+        report_give_up(cfg, run_dir, last_failure(run_dir))
     for line in next_commands(run_dir):
         print(line)
-    return exit_code_of_run(run_dir, code)
+    return code
+
+
+def run_torchrun(cmd: list[str], env: dict[str, str], run_dir: Path, max_restarts: int) -> int:
+    """torchrun's exit status, after resuming the run each time the agent itself was killed (the node's
+    processes vanished) while the restart budget allows it."""
+    while True:
+        started = time.time()
+        # torchrun ends with this process (and its workers with torchrun): nothing trains on unwatched.
+        code = subprocess.call(cmd, env=env, preexec_fn=end_with_parent)
+        if code != -signal.SIGKILL:
+            return code
+        failure = RestartBudget(run_dir, max_restarts).record(None, code, started)
+        print(failure.console_line(max_restarts, "resuming the run as a scheduler would"), file=sys.stderr, flush=True)
+        if failure.gave_up:
+            return EXIT_FAILED
+        if "--run.resume=true" not in cmd:
+            cmd = [*cmd, "--run.resume=true"]  # the new workers must load the newest checkpoint
+
+
+def report_give_up(cfg: JobConfig, run_dir: Path, failure: Failure) -> None:
+    """The spent restart budget, everywhere a person looks: `run_stopped` and its alert (run store,
+    webhook, W&B), and one console line with the command that resumes the run."""
+    # Imported here: torch and the sinks load only for a run that gave up.
+    from keel.monitor.recorder import RunRecorder
+    from keel.monitor.store import RunStore
+    from keel.trainer.incidents import Incidents
+    from keel.trainer.recorder_setup import build_sinks
+
+    reason = f"{failure.in_a_row} failures in a row without progress, the last: {failure.describe()}"
+    recorder = RunRecorder(cfg.run.run_id, RunStore(run_dir), build_sinks(cfg, run_dir, prometheus=False), cfg.monitor.alert_throttle_s)
+    Incidents(recorder, cfg.run.run_id).stopped(failure.step, None, reason, EXIT_RESTART_CAP)
+    recorder.close()
+    print(f"keel train: stopped: {reason}. Fix the cause, then resume: keel train --resume {_shown(run_dir)}", file=sys.stderr)
 
 
 def worker_env(cfg: JobConfig, opts: argparse.Namespace, run_dir: Path) -> dict[str, str]:
@@ -284,6 +326,9 @@ def exit_code_of_run(run_dir: Path, torchrun_code: int) -> int:
         return int(last[1]["exit_code"])
     if torchrun_code == 0:
         return EXIT_OK
+    failure = last_failure(run_dir)
+    if failure is not None and failure.gave_up:
+        return EXIT_RESTART_CAP
     return {"hang": EXIT_HANG, "oom": EXIT_OOM}.get(None if last is None else last[0], EXIT_FAILED)
 
 

@@ -14,19 +14,30 @@ def _duration(seconds: float) -> str:
 
 
 class ProgressLine:
-    """Rewrites one line on a terminal; prints a line every `every` steps when output is a file."""
+    """Rewrites one line on a terminal; prints a line every `every` steps when output is a file.
 
-    def __init__(self, total_steps: int, every: int = 1, stream=None):
+    The ETA is the remaining steps at the pace of the steps this process ran since its first line (or
+    since a rollback moved the step back), so a restart or a resume at step 200 of 300 does not divide
+    the time of one process by the whole run's step. The final line gives the run's own wall time, from
+    `run_began` (epoch seconds: when the run's first process started), restarts and resumes included."""
+
+    def __init__(self, total_steps: int, every: int = 1, stream=None, run_began: float | None = None):
         self.total, self.every = total_steps, every
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty()
-        self.started = time.perf_counter()
+        self.run_began = time.time() if run_began is None else run_began
+        self._pace_from: tuple[int, float] | None = None  # (step, clock) the pace is measured from
+        self._last_step = 0
 
     def update(self, step: int, loss: float, tokens_per_s: float, mfu: float, comm_share: float | None, step_time_s: float) -> None:
+        now = time.perf_counter()
+        if self._pace_from is None or step <= self._last_step:  # first line, or a rollback went back
+            self._pace_from = (step - 1, now - step_time_s)  # from this step's start
+        self._last_step = step
         if step % self.every and step != self.total:
             return
-        elapsed = time.perf_counter() - self.started
-        eta = elapsed / step * (self.total - step)
+        first_step, since = self._pace_from
+        eta = (now - since) / (step - first_step) * (self.total - step)
         comm = "  n/a" if comm_share is None else f"{comm_share:5.1%}"
         line = (
             f"step {step:>{len(str(self.total))}}/{self.total} | loss {loss:7.4f} | {tokens_per_s:9,.0f} tok/s | "
@@ -38,5 +49,5 @@ class ProgressLine:
     def finish(self) -> None:
         if self.tty:
             self.stream.write("\n")
-        self.stream.write(f"done: {self.total} steps in {_duration(time.perf_counter() - self.started)}\n")
+        self.stream.write(f"done: {self.total} steps in {_duration(time.time() - self.run_began)}\n")
         self.stream.flush()

@@ -16,10 +16,12 @@ from keel.trainer.config import JobConfig
 log = logging.getLogger("keel.train")
 
 
-def build_sinks(cfg: JobConfig, run_dir: Path) -> list[Sink]:
+def build_sinks(cfg: JobConfig, run_dir: Path, prometheus: bool = True) -> list[Sink]:
+    """The sinks the config turns on; `prometheus=False` leaves the exporter out (a record made after the
+    run, which nothing would scrape)."""
     m = cfg.monitor
     makers = []
-    if m.prometheus:
+    if m.prometheus and prometheus:
         from keel.monitor.prometheus import PrometheusSink
 
         makers.append(lambda: PrometheusSink(cfg.run.run_id, m.prometheus_host, m.prometheus_port, m.pushgateway_url, cfg.parallel.pp))

@@ -22,12 +22,12 @@ from keel.monitor import run_lock
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK, EXIT_ROLLBACK_CAP
 from keel.monitor.redact import redact
 from keel.monitor.run_dir import CONFIG_FILE, LOG_DIR, STORE_FILE, rank_log_name
-from keel.monitor.store import read_events, read_steps
+from keel.monitor.store import last_event, read_events, read_meta, read_steps
 from keel.monitor.stragglers import StragglerTracker
 from keel.trainer import exposed_comm, flops, oom, parallel
 from keel.trainer.checkpoint import Checkpointer, manifest_info
 from keel.trainer.config import ConfigError, JobConfig, write_resolved_config
-from keel.trainer.data import BatchSampler, open_tokens, parse_skip_ranges
+from keel.trainer.data import BatchSampler, open_job_tokens, parse_skip_ranges
 from keel.trainer.distributed import init_distributed, set_collective_timeout, sum_over_ranks
 from keel.trainer.incidents import Incidents
 from keel.trainer.launch import parse_train_args, resolve_run_dir
@@ -36,6 +36,7 @@ from keel.trainer.model_args import flops_per_token, model_args
 from keel.trainer.optim import build_optimizer, clip_grads, lr_at, set_lr
 from keel.trainer.progress import ProgressLine
 from keel.trainer.recorder_setup import build_recorder
+from keel.trainer.restarts import furthest_step, last_failure
 from keel.trainer.run_plan import keep_plan_of_run
 from keel.trainer.stability import StabilityGuard, Verdict
 from keel.trainer.step import forward_backward
@@ -43,6 +44,7 @@ from keel.trainer.step_metrics import StepReporter, held_tensor_bytes
 from keel.trainer.watchdog import Watchdog, stalled_dumps
 
 log = logging.getLogger("keel.train")
+_fault_log = None  # the file faulthandler writes a crash's stacks to (see _setup_logging)
 # How long a worker other than rank 0 waits, on a config error, for rank 0 to report it (see main).
 CONFIG_ERROR_GRACE_S = 10.0
 
@@ -61,7 +63,8 @@ class Trainer:
         _setup_logging(self.run_dir, rank)
         self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         self.resuming = cfg.run.resume or self.restart_count > 0
-        oom_note = oom.apply_saved_microbatches(cfg, self.run_dir) if self.resuming else None
+        self.microbatch_state = oom.load_state(cfg, self.run_dir, self.resuming)
+        oom_note = self.microbatch_state.note()
         self.watchdog = Watchdog(cfg.watchdog, self.run_dir, rank)
         self._build_model()
         self._build_data()
@@ -69,7 +72,10 @@ class Trainer:
         self.recorder = build_recorder(cfg, self.run_dir) if rank == 0 else None
         self.incidents = Incidents(self.recorder, cfg.run.run_id)
         self.attempt = _next_attempt(self.run_dir, rank, world) if self.resuming else 0
-        last_step = _last_step_time(self.run_dir) if rank == 0 and self.restart_count else None
+        last_step = _last_step_time(self.run_dir) if rank == 0 and self.resuming else None
+        # Resumed by hand or by a scheduler after the processes ended with no record: a node loss.
+        vanished = rank == 0 and cfg.run.resume and not self.restart_count and _ended_unrecorded(self.run_dir)
+        run_began = _run_began(self.run_dir, self.process_start) if rank == 0 else self.process_start
         if self.recorder is not None:
             self._record_run_start(peak_total, mfu_basis, oom_note)
         if cfg.metrics.plan:
@@ -78,11 +84,11 @@ class Trainer:
         self._build_recovery()
         self.step, self.exit_code, self.memory_measured = 0, EXIT_OK, False
         if self.resuming:
-            self._resume(last_step)
+            self._resume(last_step, vanished)
         if self.recorder is not None and self.exit_code == EXIT_OK:
             # After the resume check: a config the checkpoint refused never replaces the run's own.
             write_resolved_config(cfg, self.run_dir / CONFIG_FILE)
-        self.progress = ProgressLine(cfg.training.steps, every=cfg.metrics.log_every) if rank == 0 else None
+        self.progress = ProgressLine(cfg.training.steps, every=cfg.metrics.log_every, run_began=run_began) if rank == 0 else None
         if world > 1:
             exposed_comm.warm_up_profiler(device.type == "cuda")
         tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_len
@@ -91,10 +97,10 @@ class Trainer:
             rank_rows_every_step=cfg.metrics.rank_rows == "every_step",
         )  # fmt: skip
         log.info("starting training at step %d (attempt %d)", self.step + 1, self.attempt)
-        # Process-group timeouts in two phases: start-up had watchdog.startup_s; once a step has run, a
-        # collective that waits past twice the floor is failed by the process group itself. The watchdog
-        # normally fires first and leaves stack dumps; this is the backstop.
-        self.tight_timeout_s, self.timeouts_tight = 2 * cfg.watchdog.floor_s + 60, False
+        # Process-group timeouts: watchdog.startup_s until the warm-up steps have run; then a collective
+        # that waits past twice the longest the watchdog allows a step, plus a minute, is failed by the
+        # process group itself. The watchdog normally fires first and leaves stack dumps; this is the backstop.
+        self.tight_timeout_s = cfg.watchdog.startup_s
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -122,7 +128,7 @@ class Trainer:
 
     def _build_data(self) -> None:
         cfg = self.cfg
-        self.source = open_tokens(cfg.data.source, cfg.data.seq_len, model_args(cfg).vocab_size)
+        self.source = open_job_tokens(cfg)
         self.sampler = BatchSampler(
             self.source.tokens,
             cfg.data.seq_len,
@@ -136,12 +142,31 @@ class Trainer:
         )
 
     def _peak_flops_total(self) -> tuple[float, str]:
-        """MFU's denominator: (the peak FLOPS of all devices together, how this device's peak was found)."""
+        """MFU's denominator: (the peak FLOPS of all devices together, how this device's peak was found).
+        Measured once per run: a restarted or resumed run reuses the peak its first start measured, so
+        MFU does not jump between attempts with the load of the moment (unless metrics.peak_tflops is set)."""
+        saved = self._saved_peak() if self.resuming and not self.cfg.metrics.peak_tflops else None
+        if saved is not None:
+            per_device, basis = saved
+            log.info("peak FLOPS: %.3g per device (%s; measured when the run began)", per_device, basis)
+            return per_device * self.world, basis
         # Every rank measures (or looks up) its own peak at the same moment; the sum is over all devices.
         peak, basis = flops.device_peak_flops(self.device, self.cfg.metrics.peak_tflops)
         peak_total = sum_over_ranks(peak, self.device, self.world)
         log.info("peak FLOPS: %.3g per device (%s)", peak, basis)
         return peak_total, basis
+
+    def _saved_peak(self) -> tuple[float, str] | None:
+        """(peak FLOPS per device, basis) kept in the run's meta by its first start, on every rank; None
+        when there is none or it was measured on another kind of device."""
+        saved = [None]
+        if self.rank == 0 and (self.run_dir / STORE_FILE).exists():
+            meta = read_meta(self.run_dir)
+            if meta.get("device", "").split(":")[0] == self.device.type and meta.get("peak_flops_per_device"):
+                saved = [(float(meta["peak_flops_per_device"]), str(meta["mfu_basis"]))]
+        if self.world > 1:
+            dist.broadcast_object_list(saved, src=0)
+        return saved[0]
 
     def _record_run_start(self, peak_total: float, mfu_basis: str, oom_note: dict | None) -> None:
         """Rank 0: the run's metadata, `run_started`, and the OOM restart that the previous attempt asked
@@ -154,6 +179,7 @@ class Trainer:
             "device": str(self.device),
             "mfu_basis": mfu_basis,
             "peak_flops_total": peak_total,
+            "peak_flops_per_device": peak_total / world,
             "flops_per_token": self.flop_per_token,
             "data_version": self.source.version,
             "data": self.source.description,
@@ -184,10 +210,11 @@ class Trainer:
         stage_size = world // pp  # mesh order (pp, dp, tp): each pipeline stage is a block of ranks
         self.stragglers = StragglerTracker(cfg.stragglers, world, [range(k * stage_size, (k + 1) * stage_size) for k in range(pp)])
 
-    def _resume(self, last_step: float | None) -> None:
+    def _resume(self, last_step: float | None, vanished: bool) -> None:
         """Loads the newest good checkpoint and the sampler and guard state saved with it; after a
-        restart, also reports the stalls and the restart itself (rank 0). A checkpoint of another model
-        or data ends the run instead (see `_refuse_resume`)."""
+        restart, also reports the stalls and the restart itself with its cause (rank 0), and after the
+        processes vanished, the node loss. A checkpoint of another model or data ends the run instead
+        (see `_refuse_resume`)."""
         self.watchdog.beat("checkpoint_load", 0, self.attempt)
         try:
             restored = self.checkpointer.load_latest(resuming=True)
@@ -205,9 +232,13 @@ class Trainer:
             self.incidents.no_checkpoint(self.attempt, self.checkpointer.corrupt)
         if self.restart_count and self.rank == 0:
             _report_stalls(self.run_dir, self.incidents)
+        downtime_s = self.process_start - last_step if last_step else 0.0
         if self.restart_count:
-            downtime_s = self.process_start - last_step if last_step else 0.0
-            self.incidents.restart(self.attempt, self.restart_count, downtime_s, self.step)
+            self.incidents.restart(self.attempt, self.restart_count, downtime_s, self.step, last_failure(self.run_dir))
+        elif vanished:
+            failure = last_failure(self.run_dir)
+            killed = failure if failure is not None and failure.rank is None and failure.time > (last_step or 0) else None
+            self.incidents.node_loss(self.attempt, downtime_s, self.step, furthest_step(self.run_dir), killed)
 
     def _refuse_resume(self, reason: str) -> None:
         """Ends the run before its first step with EXIT_CONFIG. Stopping on purpose: recorded as
@@ -243,6 +274,7 @@ class Trainer:
         and the guard's verdict. None when the step ran out of memory (see `recover_oom`)."""
         cfg, step = self.cfg, self.step
         self.watchdog.beat("step", step, self.attempt)
+        self.retry_microbatch()
         self.faults.begin_step(step)
         t0 = time.perf_counter()
         batch_index = self.sampler.batch_index
@@ -271,9 +303,9 @@ class Trainer:
             memory_peak,
         )  # fmt: skip
         self.watchdog.step_finished(row["step_time_s"])
-        if not self.timeouts_tight:
+        if self.watchdog.collective_timeout_s() != self.tight_timeout_s:
+            self.tight_timeout_s = self.watchdog.collective_timeout_s()
             set_collective_timeout(self.layout, self.tight_timeout_s)
-            self.timeouts_tight = True
         return row, self._judge(row, fault_ranks, skipped, sample_comm)
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,11 +355,22 @@ class Trainer:
         when only a restart can) and sets the same step up to run again, on the same data."""
         self.optimizer.zero_grad(set_to_none=True)
         old = self.cfg.training.microbatches
-        new = oom.halve_microbatch(self.cfg, self.world, self.run_dir, self.rank, self.step)
+        new = oom.halve_microbatch(self.cfg, self.microbatch_state, self.world, self.run_dir, self.rank, self.step)
         self.incidents.oom(self.step, self.attempt, self.rank, old, new, "in process")
         self.sampler.rewind_to(batch_index)
         self.step -= 1
         self.reporter.restart_clock()
+
+    def retry_microbatch(self) -> None:
+        """At the step an out-of-memory planned it (keel.trainer.oom): twice the micro-batch again, on every
+        rank at once (they hold the same state); a pipeline's schedule is built again for the new count."""
+        if not oom.retry_due(self.microbatch_state, self.step):
+            return
+        old = self.cfg.training.microbatches
+        new = oom.retry_larger_microbatch(self.cfg, self.microbatch_state, self.step)
+        if self.schedule is not None:
+            self.schedule = parallel.build_schedule(self.cfg, self.parts, self.layout, self.device, self.step_loss)
+        self.incidents.oom_retry(self.step, self.attempt, old, new, self.microbatch_state.configured)
 
     def roll_back(self, verdict: Verdict) -> None:
         """Restores the newest good checkpoint saved before the bad steps and moves the sampler past the
@@ -414,7 +457,15 @@ def fault_plan(cfg: JobConfig, world: int) -> list:
     """The run's faults: the listed ones, and the random ones when chaos.mtbf_steps is set."""
     plan = [parse_fault(spec) for spec in cfg.chaos.faults]
     if cfg.chaos.mtbf_steps > 0:
-        plan += random_faults(cfg.chaos.mtbf_steps, cfg.chaos.random_kinds, cfg.training.steps, world, cfg.chaos.random_seed)
+        plan += random_faults(
+            cfg.chaos.mtbf_steps,
+            cfg.chaos.random_kinds,
+            cfg.training.steps,
+            world,
+            cfg.chaos.random_seed,
+            cfg.spike,
+            cfg.recovery.nonfinite_limit,
+        )
         log.info("random faults (mean %g steps apart): %s", cfg.chaos.mtbf_steps, ", ".join(map(str, plan)))
     return plan
 
@@ -445,6 +496,23 @@ def _next_attempt(run_dir: Path, rank: int, world: int) -> int:
     return value[0]
 
 
+def _ended_unrecorded(run_dir: Path) -> bool:
+    """Whether the run's last start has neither finished nor stopped on record: its processes vanished."""
+    if not (run_dir / STORE_FILE).exists():
+        return False
+    last = last_event(run_dir, ["run_started", "run_finished", "run_stopped"])
+    return last is not None and last[0] == "run_started"
+
+
+def _run_began(run_dir: Path, process_start: float) -> float:
+    """When the run's first process started (the progress line's clock spans restarts and resumes)."""
+    if not (run_dir / STORE_FILE).exists():
+        return process_start
+    events = read_events(run_dir)
+    starts = [d.get("process_start") for d in events.loc[events.kind == "run_started", "data"] if isinstance(d, dict)]
+    return min([s for s in starts if s] + [process_start])
+
+
 def _last_step_time(run_dir: Path) -> float | None:
     """When the failed group recorded its last step: its down time runs from there to the new processes.
     Not its last event: a watchdog records the hang when it detects it, after the stall, and goodput
@@ -457,7 +525,12 @@ def _last_step_time(run_dir: Path) -> float | None:
 
 def _setup_logging(run_dir: Path, rank: int) -> None:
     (run_dir / LOG_DIR).mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(run_dir / LOG_DIR / rank_log_name(rank))
+    log_path = run_dir / LOG_DIR / rank_log_name(rank)
+    # A segfault's Python stacks go to this rank's log, not to the console the whole job shares.
+    global _fault_log
+    _fault_log = open(log_path, "a")  # noqa: SIM115 (held open for the life of the process, for faulthandler)
+    faulthandler.enable(file=_fault_log)
+    handler = logging.FileHandler(log_path)
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("keel")
     for old in list(root.handlers):  # a second Trainer in one process (benchmarks) logs to its own run only
@@ -484,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
             # the time to, and are stopped when it exits (its exit code is the one torchrun reports).
             time.sleep(CONFIG_ERROR_GRACE_S)
         return EXIT_CONFIG
-    faulthandler.enable()  # a segfault leaves the Python stacks in the worker's stderr
+    faulthandler.enable()  # a segfault leaves the Python stacks in stderr until the rank's log is open
     end_with_parent()  # torchrun's death (or its launcher's) ends this worker too
     device, rank, world = init_distributed(cfg.watchdog.startup_s)
     if not cfg.run.run_dir:

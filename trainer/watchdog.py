@@ -1,11 +1,21 @@
 """The hang watchdog: a thread per rank that notices when the training thread stops making progress.
 
-The train loop calls `beat(phase, step)` as it moves through a step. When no beat comes for longer
-than the phase allows, the watchdog writes every thread's stack (faulthandler) and what it knows of
-the step and phase to RUN_DIR/dumps/, reports it, and ends the process with EXIT_HANG so that torchrun
+The train loop calls `beat(phase, step)` as it moves through a step, and `step_finished(seconds)`
+after it. When no beat comes for longer than the phase allows, the watchdog writes every thread's
+stack (faulthandler) and what it knows of the step and phase to RUN_DIR/dumps/, reports it, and ends
+the process with EXIT_HANG so that torchrun
 restarts the group and the run resumes from its last good checkpoint. A hang in a collective stops
 every rank, so every rank's watchdog fires and every rank leaves a dump; the stuck rank is the one
 whose stack is not inside a collective.
+
+What a step is allowed comes from the steps this process has measured: `step_factor` times the median
+of the last `window` steps, and never less than `floor_s`. The first `warmup_steps` steps of a process
+(after every restart or resume too) get `startup_s`: they compile, allocate, and profile for the first
+time. A checkpoint save or load gets `checkpoint_s`, and the step after it twice the step allowance:
+an async save's copy, its writes and rank 0's seal run beside that step (3.9 times the median step on
+the tiny pp2·dp2·tp2 job on two cores; every other step stayed under 2.5 times, profiled steps included).
+The allowance is fixed when its phase's beat comes, so the thread and the backstop below judge the
+same stall by the same allowance.
 
 The watchdog thread needs the GIL. A rank whose GIL is held (a deadlock in an extension, a C call
 that never releases it) stops that thread too, so each beat also arms faulthandler's timer, which
@@ -19,9 +29,12 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
+import math
 import os
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +48,8 @@ _STALL_HEADER = 200  # characters of the JSON line that starts a stall dump
 
 # Phases that may legitimately take long, and which allowance covers them.
 _LONG_PHASES = {"startup": "startup_s", "checkpoint_save": "checkpoint_s", "checkpoint_load": "checkpoint_s"}
+_CHECKPOINT_PHASES = ("checkpoint_save", "checkpoint_load")
+_AFTER_CHECKPOINT = 2.0  # the step after a checkpoint save or load: this many step allowances (see above)
 
 
 class Watchdog:
@@ -43,11 +58,13 @@ class Watchdog:
         self.dumps = Path(run_dir) / DUMP_DIR
         self.phase, self.step, self.attempt = "startup", 0, 0
         self.last_beat = time.monotonic()
-        self.steps_timed, self.longest_step_s = 0, 0.0
+        self.allowance_s = cfg.startup_s  # what the phase of the last beat allows
+        self.steps_timed, self.recent_steps = 0, deque(maxlen=cfg.window)
+        self.median_step_s = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="keel-watchdog", daemon=True)
         self._stall = None
-        self._armed_phase, self._armed_at = "", 0.0
+        self._armed_phase, self._armed_at, self._armed_s = "", 0.0, 0.0
         if cfg.enabled:
             self.dumps.mkdir(parents=True, exist_ok=True)
             for old in self.dumps.glob(f"stall-rank{rank}-pid*.txt"):  # left empty by a killed process
@@ -57,7 +74,9 @@ class Watchdog:
             self._thread.start()
 
     def beat(self, phase: str, step: int, attempt: int | None = None) -> None:
+        after_checkpoint = phase == "step" and self.phase in _CHECKPOINT_PHASES
         self.phase, self.step, self.last_beat = phase, step, time.monotonic()
+        self.allowance_s = self._allowance(after_checkpoint)
         if attempt is not None:
             self.attempt = attempt
         if self._stall is not None:
@@ -67,8 +86,9 @@ class Watchdog:
         """The GIL-free backstop fires two polls after this thread would have: later than the watchdog
         thread when that one can run, so it only acts when the GIL is held. Re-arming starts a thread
         (about 140 us), so it happens at most once a poll, or when the phase changes; the deadline
-        then reaches one poll further, so a beat that did not re-arm still gets its full allowance."""
-        allowed = self.timeout_s() + 2 * self.cfg.poll_s
+        then reaches one poll further, so a beat that did not re-arm still gets its full allowance. An
+        allowance that grew re-arms at once: the armed deadline must never come before the thread's."""
+        allowed = self.allowance_s + 2 * self.cfg.poll_s
         info = {
             "rank": self.rank,
             "step": self.step,
@@ -80,22 +100,38 @@ class Watchdog:
         self._stall.seek(0)
         self._stall.write(json.dumps(info).ljust(_STALL_HEADER) + "\n")  # faulthandler appends the stacks after it
         self._stall.flush()
-        if self.phase != self._armed_phase or self.last_beat - self._armed_at >= self.cfg.poll_s:
-            self._armed_phase, self._armed_at = self.phase, self.last_beat
+        stale = self.phase != self._armed_phase or self.last_beat - self._armed_at >= self.cfg.poll_s
+        if stale or self.allowance_s > self._armed_s:
+            self._armed_phase, self._armed_at, self._armed_s = self.phase, self.last_beat, self.allowance_s
             faulthandler.dump_traceback_later(allowed + self.cfg.poll_s, exit=True, file=self._stall)
 
     def step_finished(self, step_time_s: float) -> None:
-        """Feeds the step-time allowance; the first warmup_steps steps do not count (they compile and allocate)."""
+        """Feeds the step allowance, and counts as progress. The first warmup_steps steps of the process do
+        not count (they compile and allocate)."""
         self.steps_timed += 1
         if self.steps_timed > self.cfg.warmup_steps:
-            self.longest_step_s = max(self.longest_step_s, step_time_s)
+            self.recent_steps.append(step_time_s)
+            self.median_step_s = statistics.median(self.recent_steps)
+        self.beat(self.phase, self.step)
 
-    def timeout_s(self) -> float:
+    def step_allowance_s(self) -> float:
+        """What a step may take once the warm-up is over: step_factor x the median recent step, at least floor_s."""
+        return max(self.cfg.floor_s, self.cfg.step_factor * self.median_step_s)
+
+    def _allowance(self, after_checkpoint: bool) -> float:
         if self.phase in _LONG_PHASES:
             return getattr(self.cfg, _LONG_PHASES[self.phase])
         if self.steps_timed <= self.cfg.warmup_steps:
             return self.cfg.startup_s
-        return max(self.cfg.floor_s, self.cfg.step_factor * self.longest_step_s)
+        return self.step_allowance_s() * (_AFTER_CHECKPOINT if after_checkpoint else 1.0)
+
+    def collective_timeout_s(self) -> float:
+        """The process-group timeout that backs the watchdog up: startup_s during the warm-up, then a minute
+        more than twice the longest a step may take (after a checkpoint), rounded up to whole minutes so
+        that it seldom changes. Never shorter than what the watchdog allows."""
+        if self.steps_timed <= self.cfg.warmup_steps:
+            return self.cfg.startup_s
+        return 60.0 * math.ceil((2 * _AFTER_CHECKPOINT * self.step_allowance_s() + 60) / 60)
 
     def stop(self) -> None:
         self._stop.set()
@@ -107,8 +143,8 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(self.cfg.poll_s):
+            timeout = self.allowance_s  # read before last_beat, which beat() sets first: never a new allowance with an old beat
             stalled = time.monotonic() - self.last_beat
-            timeout = self.timeout_s()
             if stalled > timeout:
                 self._fire(stalled, timeout)
 

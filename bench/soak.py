@@ -1,0 +1,209 @@
+"""The soak: a long job with random faults of every kind, left alone to its last step.
+
+Runs the job twice, unattended: clean, then with random faults (`chaos.mtbf_steps`, every kind in
+`--kinds`) and one node loss from outside: when the faulty run reaches `--node-loss-step`, the bench
+kills `keel train` and every process under it (SIGKILL, as a machine dies) and resumes it with
+`keel train --resume`, as a cluster scheduler would requeue it. Then, per fault: kind, step, rank, what
+detected it and how fast, what recovered it, and the steps and seconds it cost; the exit code; whether
+the losses are bit-identical to the clean run up to the first fault that changes the data; and goodput
+measured from outside (clean wall / faulty wall) beside Keel's own.
+
+    python bench/soak.py                                   # the main job, 300 steps, a fault every ~25
+    python bench/soak.py --dp 2 --pp 1 --tp 1 --steps 400 --mtbf 15 --config tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from keel.monitor.run_dir import CHAOS_DIR, INJECTED_FILE, STORE_FILE
+from keel.monitor.store import read_events, read_meta, read_steps, step_bounds
+
+KINDS = "nan;inf;spike;data_corrupt;oom;hang;deadlock;crash;segfault;ckpt_corrupt"
+# What detects each kind of fault, and what recovers from it ("" when going on is the recovery).
+DETECTED_BY = {
+    "nan": ("nonfinite",),
+    "inf": ("nonfinite",),
+    "spike": ("spike", "loss_outlier"),
+    "data_corrupt": ("bad_batch",),
+    "oom": ("oom",),
+    "hang": ("hang",),
+    "deadlock": ("hang",),
+    "crash": ("restart",),
+    "segfault": ("restart",),
+    "node_loss": ("node_loss",),
+    "ckpt_corrupt": ("checkpoint_corrupt",),
+}
+RECOVERIES = ("rollback", "restart", "node_loss")
+# Faults after which the trajectory may rightly differ from the clean run's: skipped data or updates,
+# or another micro-batch split.
+CHANGES_DATA = ("nan", "inf", "spike", "data_corrupt", "oom")
+
+
+def keel_train(run_dir: Path, args: list[str], log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "keel.cli", "train", "--run-dir", str(run_dir), *args]
+    return subprocess.Popen(cmd, stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (a worker may sit in a session of its own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL to `keel train` and everything under it at once, as when its machine dies."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def furthest(run_dir: Path) -> int:
+    try:
+        bounds = step_bounds(run_dir) if (run_dir / STORE_FILE).exists() else None
+    except sqlite3.Error:
+        return 0
+    return 0 if bounds is None else bounds[1]
+
+
+def run_unattended(run_dir: Path, args: list[str], node_loss_step: int) -> tuple[int, float, float | None]:
+    """(exit code, wall seconds, when the node was killed or None); resumes once after the node loss."""
+    log = run_dir.with_suffix(".log")
+    start, killed = time.time(), None
+    proc = keel_train(run_dir, args, log)
+    while node_loss_step and proc.poll() is None and killed is None:
+        time.sleep(0.5)
+        if furthest(run_dir) >= node_loss_step:
+            killed = time.time()
+            kill_tree(proc)
+            proc = keel_train(run_dir, ["--resume", str(run_dir)], log)
+    code = proc.wait()
+    return code, time.time() - start, killed
+
+
+def injections(run_dir: Path, node_killed: float | None) -> pd.DataFrame:
+    path = run_dir / CHAOS_DIR / INJECTED_FILE
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    rows = [r for r in rows if r["kind"] in DETECTED_BY]
+    if node_killed:
+        rows.append({"kind": "node_loss", "step": None, "rank": None, "time": node_killed, "fault": "killed from outside"})
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        return frame
+    # A fault that hits several steps or micro-batches logs a line each: its first is when it struck.
+    return frame.sort_values("time").drop_duplicates("fault", keep="first").reset_index(drop=True)
+
+
+def account(fault: pd.Series, events: pd.DataFrame, steps: pd.DataFrame, step_s: float) -> dict:
+    """What one fault cost: detection, recovery, steps recomputed and seconds lost."""
+    after = events[events.time >= fault.time]
+    detect = after[after.kind.isin(DETECTED_BY[fault.kind])].head(1)
+    step = fault.step if fault.step == fault.step and fault.step is not None else _step_at(steps, fault.time)
+    row = {"kind": fault.kind, "step": int(step), "rank": "all" if fault.rank is None or fault.rank != fault.rank else int(fault.rank)}
+    row["detected by"] = detect.kind.iloc[0] if len(detect) else "-"
+    row["delay s"] = round(detect.time.iloc[0] - fault.time, 1) if len(detect) else None
+    recovery = after[after.kind.isin(RECOVERIES) & (after.time >= (detect.time.iloc[0] if len(detect) else fault.time))].head(1)
+    past = steps[(steps.time > fault.time) & (steps.step > step)].head(1)  # the run got past the fault's step
+    if len(recovery) and (not len(past) or recovery.time.iloc[0] <= past.time.iloc[0]):
+        row["recovery"] = recovery.kind.iloc[0]
+        resumed_at = int(recovery.data.iloc[0].get("to_step", recovery.step.iloc[0]) or 0)
+        row["steps lost"] = max(int(step) - 1 - resumed_at, 0)
+    else:
+        row["recovery"] = "went on" if len(detect) else "harmless"
+        row["steps lost"] = 0
+    row["s lost"] = round(max(past.time.iloc[0] - fault.time - 2 * step_s, 0.0), 1) if len(past) else None
+    return row
+
+
+def _step_at(steps: pd.DataFrame, when: float) -> int:
+    before = steps[steps.time <= when]
+    return int(before.step.iloc[-1]) + 1 if len(before) else 1
+
+
+def first_difference(clean: pd.DataFrame, faulty: pd.DataFrame) -> int | None:
+    """The first step whose loss differs (bit for bit) between the two effective trajectories."""
+    both = clean.set_index("step").loss.to_frame("clean").join(faulty.set_index("step").loss.to_frame("faulty"), how="inner")
+    differ = both[both.clean != both.faulty]
+    return None if differ.empty else int(differ.index[0])
+
+
+def report(clean_dir: Path, faulty_dir: Path, clean: tuple, faulty: tuple) -> bool:
+    events, steps = read_events(faulty_dir), read_steps(faulty_dir).sort_values("time")
+    step_s = statistics.median(read_steps(clean_dir, effective=True).step_time_s)
+    faults = injections(faulty_dir, faulty[2])
+    table = pd.DataFrame([account(f, events, steps, step_s) for f in faults.itertuples(index=False)]) if len(faults) else pd.DataFrame()
+    print(table.to_string(index=False) if len(table) else "no faults fired")
+    undetected = table[(table["detected by"] == "-") & (table.kind != "ckpt_corrupt")] if len(table) else table
+    changing = table[table.kind.isin(CHANGES_DATA)].step.min() if len(table) else None
+    differs = first_difference(read_steps(clean_dir, effective=True), read_steps(faulty_dir, effective=True))
+    identical = differs is None or (changing is not None and differs >= changing)
+    ok = faulty[0] == 0 and clean[0] == 0 and undetected.empty and identical
+    print(f"\nexit codes: clean {clean[0]}, faulty {faulty[0]}                         target 0 and 0")
+    print(f"faults fired {len(table)}, undetected {len(undetected)} (a ckpt_corrupt nothing loads is harmless)   target 0")
+    print(f"loss: first step that differs from the clean run {differs}, first fault that changes the data at step {changing}; "
+          f"bit-identical before it: {identical}")  # fmt: skip
+    keel_goodput = read_meta(faulty_dir).get("goodput", {})
+    print(f"goodput: clean wall {clean[1]:.0f} s / faulty wall {faulty[1]:.0f} s = {clean[1] / faulty[1]:.1%}; "
+          f"Keel's own: {keel_goodput.get('goodput', float('nan')):.1%} of {keel_goodput.get('wall_s', float('nan')):.0f} s "
+          f"(lost by cause: {', '.join(f'{k} {v:.0f} s' for k, v in keel_goodput.get('lost_s', {}).items() if v >= 0.5)})")  # fmt: skip
+    print("soak:", "PASSED" if ok else "FAILED")
+    return ok
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="small")
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--mtbf", type=float, default=25, help="mean steps between random faults")
+    p.add_argument("--kinds", default=KINDS)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--node-loss-step", type=int, help="kill the whole job from outside at this step (default: half way; 0: never)")
+    p.add_argument("--dir", type=Path, help="where the two runs go (default: a temporary folder, kept)")
+    opts, extra = p.parse_known_args()
+    out = opts.dir or Path(tempfile.mkdtemp(prefix="keel-soak-"))
+    out.mkdir(parents=True, exist_ok=True)
+    # A checkpoint every 10 steps: Young's rule for a save of about a second and a fault every ~25 steps
+    # of ~1.5 s gives about 9 s (see docs/stability.md); the preset's 30 minutes would save none.
+    job = [f"--config={opts.config}", f"--pp={opts.pp}", f"--dp={opts.dp}", f"--tp={opts.tp}", f"--steps={opts.steps}"]
+    job += ["--checkpoint.interval_steps=10", *extra]
+    chaos = [f"--chaos.mtbf_steps={opts.mtbf}", f"--chaos.random_kinds={opts.kinds}", f"--chaos.random_seed={opts.seed}"]
+    node_loss_step = opts.steps // 2 if opts.node_loss_step is None else opts.node_loss_step
+    print(f"soak in {out}: {' '.join(job)}; faults every ~{opts.mtbf:g} steps ({opts.kinds}), node loss at step {node_loss_step}")
+    clean = run_unattended(out / "clean", job, 0)
+    print(f"clean: exit {clean[0]} in {clean[1]:.0f} s")
+    faulty = run_unattended(out / "faulty", job + chaos, node_loss_step)
+    print(f"faulty: exit {faulty[0]} in {faulty[1]:.0f} s\n")
+    return 0 if report(out / "clean", out / "faulty", clean, faulty) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
