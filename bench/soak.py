@@ -169,6 +169,10 @@ def report(clean_dir: Path, faulty_dir: Path, clean: tuple, faulty: tuple) -> bo
     print(f"loss: first step that differs from the clean run {differs}, first fault that changes the data at step {changing}; "
           f"bit-identical before it: {identical}")  # fmt: skip
     keel_goodput = read_meta(faulty_dir).get("goodput", {})
+    if faulty[0] != 0:
+        print(f"goodput: n/a, the faulty run ended at step {furthest(faulty_dir)} with exit {faulty[0]} (clean wall {clean[1]:.0f} s)")
+        print("soak: FAILED")
+        return False
     print(f"goodput: clean wall {clean[1]:.0f} s / faulty wall {faulty[1]:.0f} s = {clean[1] / faulty[1]:.1%}; "
           f"Keel's own: {keel_goodput.get('goodput', float('nan')):.1%} of {keel_goodput.get('wall_s', float('nan')):.0f} s "
           f"(lost by cause: {', '.join(f'{k} {v:.0f} s' for k, v in keel_goodput.get('lost_s', {}).items() if v >= 0.5)})")  # fmt: skip
