@@ -97,7 +97,7 @@ def _logs_off_console(run_dir: Path) -> None:
     """torchrun's log lines (a traceback per failure, most of them about the peers that saw a connection
     drop) go to RUN_DIR/logs/agent.log; the console gets Keel's one line per failure."""
     (run_dir / LOG_DIR).mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(run_dir / LOG_DIR / AGENT_LOG)
+    handler = logging.FileHandler(run_dir / LOG_DIR / AGENT_LOG, delay=True)  # no file for a run torch said nothing of
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     # torch gives its own stderr handler to "torch" and to some packages below it (torch.distributed).
     names = ["torch", *(n for n in logging.root.manager.loggerDict if n.startswith("torch."))]
