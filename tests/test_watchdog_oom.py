@@ -33,7 +33,7 @@ def events_of(run_dir, *kinds: str) -> list[tuple]:
 
 
 def test_a_step_is_allowed_a_multiple_of_the_median_step_never_less_than_the_floor(tmp_path):
-    dog = Watchdog(WatchdogConfig(poll_s=0.5), tmp_path, rank=0)
+    dog = Watchdog(WatchdogConfig(poll_s=0.5, floor_s=5.0), tmp_path, rank=0)
     try:
         allowed = []
         for step, seconds in enumerate([9.0, 5.0, 4.0, 2.0, 1.5, 1.4, 1.6, 6.0, 1.5], start=1):
