@@ -7,7 +7,7 @@ a model of 4 layers, dim 256, on 4 sequences of 512 tokens, in fp32 on the CPU, 
 - step time: the forward and backward's wall time, median of 3.
 
 Each measurement is a fresh process (a peak is per process), the modes interleaved ABBA over the rounds,
-beside preflight's estimate of the activations (keel.trainer.memory_model.activation_bytes, the same
+beside preflight's estimate of the activations (keel.trainer.planning.memory_model.activation_bytes, the same
 formulas). Target: each mode keeps less than the one before it (none > selective > full), full at most
 half of none.
 
@@ -32,9 +32,9 @@ def measure(mode: str) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from keel.trainer.activation_checkpoint import apply_activation_checkpointing
     from keel.trainer.model import Transformer
     from keel.trainer.model_args import ModelArgs
+    from keel.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 
     torch.set_num_threads(1)
     model = Transformer(ModelArgs(**SHAPE))
@@ -52,7 +52,7 @@ def measure(mode: str) -> dict:
 
 def estimate(mode: str) -> int:
     from keel.trainer.config import load_config
-    from keel.trainer.memory_model import activation_bytes
+    from keel.trainer.planning.memory_model import activation_bytes
 
     overrides = {f"model.{k}": v for k, v in SHAPE.items() if k != "max_seq_len"} | {
         "data.seq_len": SEQ, "training.global_batch_size": BATCH, "training.microbatches": 1, "training.activation_checkpointing": mode}  # fmt: skip

@@ -2,7 +2,7 @@
 
 Each layout is built by one process playing rank 0 of it (PyTorch's fake process group stands in for the
 other ranks, so a layout of 8 ranks needs one process and no more memory than that rank's): the real
-meta-device build, tensor-parallel plan, FSDP2 sharding and initialization of keel.trainer.parallel. The
+meta-device build, tensor-parallel plan, FSDP2 sharding and initialization of keel.trainer.parallel.parallelize. The
 peak is measured from outside the build, as the process's high-water resident memory (getrusage) less
 what it held before the build. Beside it: the rank's shards, the target (shards plus the largest whole
 parameter, which initialization makes one at a time) and the whole stage (what every rank held before
@@ -31,15 +31,15 @@ LAYOUTS = {"one process": (1, 1), "dp2": (2, 1), "tp2": (1, 2), "dp4 tp2": (4, 2
 BUILD = """
 import json, resource, sys, torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from keel.trainer import parallel
-from keel.trainer.launch import parse_train_args
+from keel.trainer.parallel import parallelize
+from keel.trainer.launch.launcher import parse_train_args
 from keel.trainer.model_args import model_args
 cfg, _ = parse_train_args(sys.argv[1:])
 if cfg.world_size > 1:
     dist.init_process_group("fake", rank=0, world_size=cfg.world_size, store=FakeStore())
-layout = parallel.build_layout(cfg, torch.device("cpu"))
+layout = parallelize.build_layout(cfg, torch.device("cpu"))
 before = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
-parts = parallel.build_model_parts(cfg, model_args(cfg), layout, torch.device("cpu"), bf16=False)
+parts = parallelize.build_model_parts(cfg, model_args(cfg), layout, torch.device("cpu"), bf16=False)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
 shards = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for m in parts for p in m.parameters())
 print(json.dumps({"peak": peak, "shards": shards}))

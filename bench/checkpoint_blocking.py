@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from keel.monitor.store import read_events
-from keel.trainer.launch import parse_train_args
+from keel.trainer.launch.launcher import parse_train_args
 from keel.trainer.train import Trainer
 
 WIDE = [

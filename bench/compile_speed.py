@@ -40,9 +40,9 @@ def measure(mode: str) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from keel.trainer.compile_blocks import apply_checkpointing_and_compile
     from keel.trainer.model import Transformer
     from keel.trainer.model_args import ModelArgs
+    from keel.trainer.parallel.compile_blocks import apply_checkpointing_and_compile
 
     how, ac = mode.split("-")
     torch.set_num_threads(1)

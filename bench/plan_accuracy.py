@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from keel.trainer.run_plan import check
+from keel.trainer.planning.run_plan import check
 
 # The layouts whose tolerances tests/test_plan_check.py holds, and four more.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -34,7 +34,7 @@ import torch
 import wandb
 
 from keel.monitor.store import read_events, read_steps
-from keel.trainer.launch import parse_train_args
+from keel.trainer.launch.launcher import parse_train_args
 from keel.trainer.train import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -9,9 +9,9 @@ and report per rank
 - step time: the forward and backward's wall time, median of 3, the slower rank.
 
 The model is Keel's (keel.trainer.model), split by Keel's tensor-parallel plan
-(keel.trainer.parallel.apply_tensor_parallel), the loss Keel's (parallel.loss_fn under torch's
+(keel.trainer.parallel.parallelize.apply_tensor_parallel), the loss Keel's (parallel.loss_fn under torch's
 loss_parallel where it is on). Each measurement is a fresh pair of processes (a peak is per process),
-the modes interleaved ABBA over the rounds, beside preflight's estimate (keel.trainer.memory_model.
+the modes interleaved ABBA over the rounds, beside preflight's estimate (keel.trainer.planning.memory_model.
 activation_bytes). Target: each lever keeps less than the mode before it.
 
     python bench/tensor_parallel_memory.py --rounds 2
@@ -44,7 +44,7 @@ def measure(mode: str) -> dict:
 
     from keel.trainer.model import Transformer
     from keel.trainer.model_args import ModelArgs, padded_vocab_size
-    from keel.trainer.parallel import apply_tensor_parallel, loss_fn
+    from keel.trainer.parallel.parallelize import apply_tensor_parallel, loss_fn
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -89,7 +89,7 @@ def run_pair(mode: str) -> dict:
 
 def estimate(mode: str) -> int:
     from keel.trainer.config import load_config
-    from keel.trainer.memory_model import activation_bytes
+    from keel.trainer.planning.memory_model import activation_bytes
 
     sequence, loss_split = MODES[mode]
     overrides = {f"model.{k}": v for k, v in SHAPE.items() if k != "max_seq_len"} | {

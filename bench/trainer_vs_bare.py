@@ -33,7 +33,7 @@ def bare_loop(config: str, steps: int) -> list[float]:
     import torch
 
     from keel.trainer.config import load_config
-    from keel.trainer.data import BatchSampler, open_tokens
+    from keel.trainer.data.loader import BatchSampler, open_tokens
     from keel.trainer.model import Transformer
     from keel.trainer.model_args import model_args
 

@@ -31,7 +31,7 @@ from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from keel.monitor.run_dir import DRILL_DIR, STORE_FILE
 from keel.monitor.store import read_events, read_steps
 from keel.trainer.config import ConfigError, JobConfig
-from keel.trainer.launch import parse_train_args, resolve_run_dir
+from keel.trainer.launch.launcher import parse_train_args, resolve_run_dir
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from keel.trainer.config import ConfigError, JobConfig, check_run_dir
-from keel.trainer.data import open_job_tokens
-from keel.trainer.launch import parse_train_args, resolve_run_dir, torchrun_command, worker_env
+from keel.trainer.data.loader import open_job_tokens
+from keel.trainer.launch.launcher import parse_train_args, resolve_run_dir, torchrun_command, worker_env
 
 RESULTS_FILE = "preflight.json"
 WORKER_MODULE = "keel.chaos.preflight_worker"

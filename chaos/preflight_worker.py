@@ -4,7 +4,7 @@ Every check gathers its per-rank numbers to all ranks and decides from them, so 
 same verdicts (one rank deciding alone would leave the others waiting in the next collective), and
 the local rank 0 of each node writes the rows for its launcher after every check: a worker that dies
 mid-way still leaves the rows before it. The model, the pipeline schedule, the optimizer and the step
-are the trainer's own (keel.trainer.parallel, optim, step.forward_backward), at the job's layout.
+are the trainer's own (keel.trainer.parallel.parallelize, optim, step.forward_backward), at the job's layout.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ import torch.distributed as dist
 from keel.chaos.preflight import Check, parse_preflight_args
 from keel.monitor.exits import EXIT_FAILED, EXIT_OK
 from keel.monitor.run_dir import CHECKPOINT_DIR
-from keel.trainer import parallel
 from keel.trainer.config import JobConfig
-from keel.trainer.data import BatchSampler, open_job_tokens
-from keel.trainer.distributed import PROBE_BYTES, init_distributed, probe_link
-from keel.trainer.launch import parse_train_args
-from keel.trainer.memory_model import activation_bytes, busiest_rank_state_bytes
+from keel.trainer.data.loader import BatchSampler, open_job_tokens
+from keel.trainer.launch.launcher import parse_train_args
 from keel.trainer.model_args import model_args
 from keel.trainer.optim import build_optimizer, clip_grads
+from keel.trainer.parallel import parallelize
+from keel.trainer.parallel.distributed import PROBE_BYTES, init_distributed, probe_link
+from keel.trainer.planning.memory_model import activation_bytes, busiest_rank_state_bytes
 from keel.trainer.step import forward_backward
 from keel.trainer.step_metrics import gather_rows
 
@@ -133,7 +133,7 @@ def reachable(device: torch.device, rank: int, world: int, started: float) -> Ch
 # --- b. collective bandwidth per mesh dim ----------------------------------------------------------
 
 
-def bandwidth(dim: str, layout: parallel.Layout, device: torch.device, min_gbps: float) -> Check:
+def bandwidth(dim: str, layout: parallelize.Layout, device: torch.device, min_gbps: float) -> Check:
     """Timed all-reduces on this dim's process groups: 8 MiB for bandwidth, 4 bytes for latency. The
     slowest group sets the number, as it sets the pace of a step."""
     n = getattr(layout, dim)
@@ -252,23 +252,23 @@ def _agreed_loss(loss: torch.Tensor | None, device: torch.device, world: int) ->
     return float(values[has > 0].mean())
 
 
-def overfit(cfg: JobConfig, layout: parallel.Layout, device: torch.device, world: int, steps: int) -> Check:
+def overfit(cfg: JobConfig, layout: parallelize.Layout, device: torch.device, world: int, steps: int) -> Check:
     """The real model at the job's layout trains `steps` steps on the job's first batch, at the job's LR held
     constant (no warmup: a warmup sized for a long run would leave nothing to see in a few steps). A
     model, a sharding or a pipeline that does not learn cannot memorize one batch."""
-    bf16, autocast = parallel.mixed_precision(cfg, device)
-    parts = parallel.build_model_parts(cfg, model_args(cfg), layout, device, bf16)
-    schedule = parallel.build_schedule(cfg, parts, layout, device, parallel.loss_fn) if layout.pp > 1 else None
+    bf16, autocast = parallelize.mixed_precision(cfg, device)
+    parts = parallelize.build_model_parts(cfg, model_args(cfg), layout, device, bf16)
+    schedule = parallelize.build_schedule(cfg, parts, layout, device, parallelize.loss_fn) if layout.pp > 1 else None
     optimizer = build_optimizer(parts, cfg.optim)
     source = open_job_tokens(cfg)
     sampler = BatchSampler(source.tokens, cfg.data.seq_len, cfg.training.global_batch_size, layout.dp_rank, layout.dp, cfg.training.seed)
     inputs, targets = (torch.from_numpy(a).to(device) for a in sampler.next_batch())
     t0, losses = time.perf_counter(), []
     for step in range(1, steps + 1):
-        loss = forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast, parallel.loss_fn)
+        loss = forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast, parallelize.loss_fn)
         if cfg.parallel.dp > 1 and cfg.parallel.dp_mode == "replicate":
-            parallel.all_reduce_replicated_grads(parts, layout)
-        grad_norm = parallel.global_grad_norm(parts, layout, loss is None or bool(torch.isfinite(loss))).item()
+            parallelize.all_reduce_replicated_grads(parts, layout)
+        grad_norm = parallelize.global_grad_norm(parts, layout, loss is None or bool(torch.isfinite(loss))).item()
         losses.append(_agreed_loss(loss, device, world))
         if not math.isfinite(grad_norm):  # the same verdict on every rank: the norm is all-reduced
             return Check("overfit", "fail", f"a loss or gradient is not finite at step {step} (loss {losses[-1]:.4g})", {"losses": losses})
@@ -284,7 +284,7 @@ def overfit(cfg: JobConfig, layout: parallel.Layout, device: torch.device, world
 def run_checks(cfg: JobConfig, opts: argparse.Namespace, local_rank: int, report: Report, started: float) -> None:
     device, rank, world = init_distributed(opts.timeout)
     report.add(reachable(device, rank, world, started))
-    layout = parallel.build_layout(cfg, device)
+    layout = parallelize.build_layout(cfg, device)
     for dim in ("pp", "dp", "tp"):
         if getattr(layout, dim) > 1:
             report.add(bandwidth(dim, layout, device, opts.min_bandwidth_gbps))

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     # Imports stay inside the branches so `keel metrics` does not pay for importing torch.
     if command == "train":
-        from keel.trainer.launch import main as run
+        from keel.trainer.launch.launcher import main as run
     elif command == "metrics":
         from keel.monitor.metrics_cli import main as run
     elif command == "drill":
@@ -45,15 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     elif command == "alert-rules":
         from keel.monitor.alert_rules import main as run
     elif command == "simulate":
-        from keel.trainer.simulate import main as run
+        from keel.trainer.planning.simulate import main as run
     elif command == "estimate":
-        from keel.trainer.estimate import main as run
+        from keel.trainer.planning.estimate import main as run
     elif command == "plan" and "--check" in rest:
-        from keel.trainer.run_plan import main as run
+        from keel.trainer.planning.run_plan import main as run
     elif command == "plan":
-        from keel.trainer.planner import main as run
+        from keel.trainer.planning.planner import main as run
     elif command == "prepare-data":
-        from keel.trainer.prepare_data import main as run
+        from keel.trainer.data.prepare import main as run
     else:
         print(f"keel: error: unknown command '{command}'\n{USAGE}", end="", file=sys.stderr)
         return EXIT_CONFIG

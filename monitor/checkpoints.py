@@ -1,7 +1,7 @@
 """A run's checkpoints as a reader sees them: each manifest verified against its files, and the list of
 saves with their cost (from the `checkpoint_saved` events) and their state on disk.
 
-The trainer writes the manifests (keel.trainer.checkpoint) and verifies them before loading; the
+The trainer writes the manifests (keel.trainer.checkpoint.checkpointer) and verifies them before loading; the
 dashboard lists them. No torch here, and pandas only in the dashboard's table (every trainer process
 imports `verify`).
 """

@@ -16,7 +16,7 @@ EXIT_HANG = 3  # the hang watchdog fired (a worker's exit code; torchrun restart
 EXIT_ROLLBACK_CAP = 4  # too many rollbacks without progress: the run stopped instead of looping
 EXIT_OOM_RESTART = 5  # out of memory with collectives in flight: restart with half the micro-batch
 EXIT_OOM = 6  # out of memory and the micro-batch cannot be halved again
-EXIT_RESTART_CAP = 7  # the workers failed too many times in a row without progress (keel.trainer.restarts)
+EXIT_RESTART_CAP = 7  # the workers failed too many times in a row without progress (keel.trainer.launch.restarts)
 EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as a shell reports it
 
 

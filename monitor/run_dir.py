@@ -6,11 +6,11 @@
         config.toml                  the resolved config, secrets redacted; `keel train --resume` reads it
         logs/rank-<R>.log            each rank's log
         dumps/                       hang and stall dumps (keel.trainer.watchdog), NCCL flight-recorder traces
-        checkpoints/step-XXXXXXXX/   finished checkpoints, each with its manifest.json (keel.trainer.checkpoint)
+        checkpoints/step-XXXXXXXX/   finished checkpoints, each with its manifest.json (keel.trainer.checkpoint.checkpointer)
         chaos/injected.jsonl         one line per injected fault, beside the faults' fire-once markers
         control/faults/              live fault requests left by `keel inject`
         control/microbatches.json    the micro-batch after an out-of-memory error, and when to retry the job's own (keel.trainer.oom)
-        control/failures.jsonl       each failure of the worker group: who, why, restarted or not (keel.trainer.restarts)
+        control/failures.jsonl       each failure of the worker group: who, why, restarted or not (keel.trainer.launch.restarts)
         drills/drill-<time>/         `keel drill`'s runs and reports
         wandb/offline-run-*/         W&B's offline runs, for `wandb sync` (keel.monitor.wandb_sink)
 

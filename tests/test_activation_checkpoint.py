@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from keel.trainer.activation_checkpoint import apply_activation_checkpointing
-from keel.trainer.compile_blocks import apply_checkpointing_and_compile
 from keel.trainer.config import ConfigError, load_config
-from keel.trainer.memory_model import activation_bytes
 from keel.trainer.model import Transformer
 from keel.trainer.model_args import ModelArgs
+from keel.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
+from keel.trainer.parallel.compile_blocks import apply_checkpointing_and_compile
+from keel.trainer.planning.memory_model import activation_bytes
 
 ARGS = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=192, max_seq_len=64)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from keel.trainer.checkpoint import missing_shards
+from keel.trainer.checkpoint.checkpointer import missing_shards
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # one process on purpose

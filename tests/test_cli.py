@@ -19,7 +19,7 @@ from keel.monitor.exits import EXIT_INTERRUPTED
 from keel.monitor.run_dir import STORE_FILE, list_checkpoints, wandb_offline_runs
 from keel.monitor.store import read_events, read_steps
 from keel.trainer.config import load_config
-from keel.trainer.launch import next_commands, parse_train_args, torchrun_command
+from keel.trainer.launch.launcher import next_commands, parse_train_args, torchrun_command
 
 
 def test_run_directory_contract(reference_dir):

@@ -1,4 +1,4 @@
-"""What users and the trainer rely on from keel.trainer.data: the corpus, the sampler's determinism, token files."""
+"""What users and the trainer rely on from keel.trainer.data.loader: the corpus, the sampler's determinism, token files."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from keel.trainer.config import ConfigError
-from keel.trainer.data import BatchSampler, open_tokens, write_token_file
-from keel.trainer.prepare_data import main as prepare_data_main
+from keel.trainer.data.loader import BatchSampler, open_tokens, write_token_file
+from keel.trainer.data.prepare import main as prepare_data_main
 
 SEQ_LEN = 16
 

@@ -17,9 +17,9 @@ from test_token_sources import CORPUS_FILES, MEGATRON_DOCS, SEQ_LEN, one_line_co
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers.implementations import SentencePieceBPETokenizer
 
-from keel.trainer.data import open_tokens
-from keel.trainer.prepare_data import main as prepare_data_main
-from keel.trainer.token_files import sidecar_path
+from keel.trainer.data.loader import open_tokens
+from keel.trainer.data.prepare import main as prepare_data_main
+from keel.trainer.data.token_files import sidecar_path
 
 SPM_SPECIALS = ["<unk>", "<s>", "</s>"]  # SentencePiece's ids 0, 1, 2; "</s>" is the end of document
 

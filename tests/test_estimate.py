@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import keel
 
-from keel.trainer.estimate import EstimateError, estimate, parse_count, peak_flops
+from keel.trainer.planning.estimate import EstimateError, estimate, parse_count, peak_flops
 
 
 def test_a_worked_example_by_hand():

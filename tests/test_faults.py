@@ -20,7 +20,7 @@ from keel.chaos.faults import FaultPlan
 from keel.chaos.inject import request
 from keel.monitor.detectors import SpikeConfig
 from keel.monitor.store import RunStore
-from keel.trainer.data import BatchSampler
+from keel.trainer.data.loader import BatchSampler
 
 
 @pytest.mark.parametrize(

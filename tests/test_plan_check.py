@@ -22,7 +22,7 @@ import json
 import pytest
 from conftest import keel, train
 
-from keel.trainer.run_plan import check
+from keel.trainer.planning.run_plan import check
 
 MODEL = ("--config=small", "--data.seq_len=256", "--training.global_batch_size=8", "--steps=6", "--metrics.comm_sample_every=2",
          "--checkpoint.interval_steps=1000", "--plan")  # fmt: skip

@@ -11,9 +11,9 @@ import pytest
 from conftest import keel
 
 from keel.trainer.config import load_config
-from keel.trainer.memory_model import busiest_rank_state_bytes, korthikanti_activation_bytes, rank_model_states
 from keel.trainer.model_args import ModelArgs, count_params, model_args, padded_vocab_size
-from keel.trainer.planner import Hardware, candidates, plan, rank, shape_for_params
+from keel.trainer.planning.memory_model import busiest_rank_state_bytes, korthikanti_activation_bytes, rank_model_states
+from keel.trainer.planning.planner import Hardware, candidates, plan, rank, shape_for_params
 
 H100_NODES = dict(gpu="H100", peak_flops=989e12, memory_bytes=80 * 2**30, gpus_per_node=8, intra_node_bytes_per_s=360e9,
                   inter_node_bytes_per_s=40e9)  # fmt: skip

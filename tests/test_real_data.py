@@ -11,7 +11,7 @@ from test_parity import MEASURED, tolerance
 from test_token_sources import write_uint32_file
 
 from keel.monitor.store import read_steps
-from keel.trainer.data import open_tokens
+from keel.trainer.data.loader import open_tokens
 
 BPE_VOCAB = 2048  # the same 2,048 rows at tp1 and tp2; tests/test_vocab.py pads an odd vocabulary differently
 CHECKPOINTED = ["--checkpoint.interval_steps=4", "--checkpoint.async_save=false"]  # step 8's save is complete before a crash at 11

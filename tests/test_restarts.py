@@ -1,4 +1,4 @@
-"""The restart budget of a long job and the attribution of each failure (keel.trainer.restarts), unit by
+"""The restart budget of a long job and the attribution of each failure (keel.trainer.launch.restarts), unit by
 unit and on real runs: a crash loop stops with its record and a resume command, a failure names the rank
 that failed first, a node loss is resumed and recorded, and the console, ETA and MFU hold across restarts."""
 
@@ -16,8 +16,8 @@ from conftest import keel, train
 from keel.monitor.exits import EXIT_HANG, EXIT_OOM_RESTART, EXIT_RESTART_CAP
 from keel.monitor.run_dir import CHAOS_DIR, INJECTED_FILE
 from keel.monitor.store import RunStore, read_events, read_meta, read_steps
+from keel.trainer.launch.restarts import RestartBudget, first_failed, read_failures
 from keel.trainer.progress import ProgressLine
-from keel.trainer.restarts import RestartBudget, first_failed, read_failures
 
 TINY_DP2 = ("--config=tiny", "--dp=2", "--steps=16", "--checkpoint.interval_steps=4", "--monitor.prometheus=false")
 SIGKILL, SIGSEGV, SIGTERM = -signal.SIGKILL, -signal.SIGSEGV, -signal.SIGTERM

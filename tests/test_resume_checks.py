@@ -15,9 +15,9 @@ from test_config_errors import assert_one_line_error
 from keel.monitor.exits import EXIT_CONFIG
 from keel.monitor.run_dir import CONFIG_FILE
 from keel.monitor.store import read_events, read_steps
+from keel.trainer.checkpoint.manifest import config_record, resume_differences, vet_resume
 from keel.trainer.config import ConfigError, load_config
-from keel.trainer.data import write_token_file
-from keel.trainer.manifest import config_record, resume_differences, vet_resume
+from keel.trainer.data.loader import write_token_file
 
 CHECKPOINT = "step-00000006"
 

@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 from conftest import REPO, keel
 
-from keel.trainer.launch import parse_train_args
-from keel.trainer.memory_model import rank_model_states
+from keel.trainer.launch.launcher import parse_train_args
 from keel.trainer.model_args import MODEL_PRESETS, model_args, padded_vocab_size
-from keel.trainer.simulate import simulate_rank
+from keel.trainer.planning.memory_model import rank_model_states
+from keel.trainer.planning.simulate import simulate_rank
 
 # The seed table's layouts: (preset, pp, dp, tp, microbatches, global batch), and the layers each end rank holds.
 LAYOUTS = {
@@ -47,8 +47,8 @@ def simulated() -> dict[str, list[dict]]:
     """The first and the last rank of each layout, simulated in one process of their own (simulate_rank makes
     the default process group, one layout after another)."""
     code = (
-        "import json, sys; from dataclasses import asdict; from keel.trainer.launch import parse_train_args;"
-        "from keel.trainer.simulate import simulate_rank\n"
+        "import json, sys; from dataclasses import asdict; from keel.trainer.launch.launcher import parse_train_args;"
+        "from keel.trainer.planning.simulate import simulate_rank\n"
         "for flags in json.loads(sys.argv[1]):\n"
         "    cfg, _ = parse_train_args(flags)\n"
         "    print(json.dumps([asdict(simulate_rank(cfg, r)) for r in (0, cfg.world_size - 1)]))"
@@ -60,7 +60,7 @@ def simulated() -> dict[str, list[dict]]:
 
 
 def analytic_params(preset: str, pp: int, dp: int, tp: int, pp_rank: int, dp_rank: int, n_layers: int | None = None) -> int:
-    """A rank's parameter elements as the planner counts them from the model's shape (keel.trainer.memory_model)."""
+    """A rank's parameter elements as the planner counts them from the model's shape (keel.trainer.planning.memory_model)."""
     args = MODEL_PRESETS[preset] if n_layers is None else replace(MODEL_PRESETS[preset], n_layers=n_layers)
     return rank_model_states(args, pp, dp, tp, pp_rank, dp_rank).params
 

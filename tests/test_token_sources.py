@@ -16,10 +16,10 @@ from conftest import keel
 from tokenizers import Tokenizer, models
 
 from keel.trainer.config import ConfigError
-from keel.trainer.data import BatchSampler, open_tokens
-from keel.trainer.megatron_index import read_index
-from keel.trainer.prepare_data import main as prepare_data_main
-from keel.trainer.token_files import TokenFileWriter, sidecar_path
+from keel.trainer.data.loader import BatchSampler, open_tokens
+from keel.trainer.data.megatron_index import read_index
+from keel.trainer.data.prepare import main as prepare_data_main
+from keel.trainer.data.token_files import TokenFileWriter, sidecar_path
 
 SEQ_LEN = 16
 GPT2_EOT = 50256  # GPT-2's <|endoftext|>: its largest id
@@ -116,7 +116,7 @@ MEGATRON_DOCS = [[[5, 6, 7, 8], [9, 10]], [[11] * 30], [[12, 13], [14, 15, 16], 
 
 
 def write_megatron(prefix: Path, documents: list[list[list[int]]], dtype: str, code: int) -> None:
-    """PREFIX.bin and PREFIX.idx as the MMIDIDX specification lays them out (see keel.trainer.megatron_index)."""
+    """PREFIX.bin and PREFIX.idx as the MMIDIDX specification lays them out (see keel.trainer.data.megatron_index)."""
     sequences = [seq for doc in documents for seq in doc]
     itemsize = np.dtype(dtype).itemsize
     lengths = np.array([len(s) for s in sequences], dtype="<i4")

@@ -16,8 +16,8 @@ from conftest import keel, train
 from test_config_errors import assert_one_line_error
 
 from keel.monitor.store import read_events, read_steps
+from keel.trainer.checkpoint.manifest import config_record, resume_differences
 from keel.trainer.config import load_config
-from keel.trainer.manifest import config_record, resume_differences
 from keel.trainer.model import Transformer
 from keel.trainer.model_args import MODEL_PRESETS, count_params, flops_per_token, model_args, padded_vocab_size
 

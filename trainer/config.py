@@ -30,7 +30,7 @@ from keel.trainer.model_args import MODEL_PRESETS, model_args
 PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]  # torch.distributed.pipelining's schedule names
 DataParallelMode = Literal["zero3", "zero2", "replicate"]
 TrainingDtype = Literal["auto", "fp32", "bf16"]
-ActivationCheckpointing = Literal["none", "selective", "full"]  # per block: see keel.trainer.activation_checkpoint
+ActivationCheckpointing = Literal["none", "selective", "full"]  # per block: see keel.trainer.parallel.activation_checkpoint
 RankRows = Literal["sampled", "every_step"]  # which steps keep a row per rank in the run store
 
 
@@ -76,7 +76,7 @@ class DataConfig:
     skip_batches: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
-        from keel.trainer.data import parse_skip_ranges  # here, not at the top: keel.trainer.data imports this module
+        from keel.trainer.data.loader import parse_skip_ranges  # here, not at the top: keel.trainer.data.loader imports this module
 
         at_least("data.seq_len", self.seq_len, 1)
         parse_skip_ranges(self.skip_batches)

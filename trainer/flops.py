@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from keel.trainer.gpus import GPU_PEAK_BF16_FLOPS
+from keel.trainer.planning.gpus import GPU_PEAK_BF16_FLOPS
 
 UNKNOWN_GPU_ASSUMED = "H100 SXM"
 

@@ -11,8 +11,8 @@ from dataclasses import asdict
 from keel.monitor.alerts import Alert
 from keel.monitor.detectors import Finding
 from keel.monitor.recorder import RunRecorder
-from keel.trainer.checkpoint import Restored, SaveResult
-from keel.trainer.restarts import Failure
+from keel.trainer.checkpoint.checkpointer import Restored, SaveResult
+from keel.trainer.launch.restarts import Failure
 
 # Detector findings: (event kind, severity, alert name or None). A confirmed spike is acted on
 # (rollback); an outlier that may heal and a grad-norm jump are reported, not acted on.

@@ -116,7 +116,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, self.padded_vocab, bias=False) if last else None
         if args.tie_embeddings:
             self.tie_head()
-        # Set by the loss parallel (keel.trainer.parallel): the head's padding columns come out at -inf,
+        # Set by the loss parallel (keel.trainer.parallel.parallelize): the head's padding columns come out at -inf,
         # split over the ranks, rather than being cut off here.
         self.padding_masked = False
         cos, sin = rotary_tables(args.head_dim, args.max_seq_len, args.rope_theta)
@@ -162,7 +162,7 @@ class Transformer(nn.Module):
         """Writes parameter `name`'s whole initial value into `value` (its global shape), drawn from a generator
         of its own seeded by (seed, its name): the values do not depend on which other parameters this process
         holds or how they are sharded, so every parallel layout starts from the same model as a single process,
-        and a sharded parameter takes its slice of the whole (keel.trainer.parallel.materialize)."""
+        and a sharded parameter takes its slice of the whole (keel.trainer.parallel.parallelize.materialize)."""
         if name.endswith("norm.weight"):
             value.fill_(1.0)
             return

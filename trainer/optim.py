@@ -16,7 +16,7 @@ from keel.trainer.config import OptimConfig
 
 def build_optimizer(parts: list[nn.Module], cfg: OptimConfig, fused: bool = True) -> torch.optim.AdamW:
     """AdamW over the parts' parameters. fused=False only where the fused kernel cannot run (the meta device of
-    keel.trainer.simulate): its state, two moments per parameter, is the same either way."""
+    keel.trainer.planning.simulate): its state, two moments per parameter, is the same either way."""
     # Decay matrices only: decaying norm gains pulls them toward zero for no benefit.
     params = [p for part in parts for p in part.parameters()]
     groups = [

@@ -6,14 +6,14 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from keel.trainer import parallel
+from keel.trainer.parallel import parallelize
 
 
 def forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast, step_loss) -> torch.Tensor | None:
     """Runs one step's forward and backward over all micro-batches. Returns this rank's mean loss,
     or None on pipeline ranks that do not hold the last stage. `step_loss(logits, targets)` is the
     loss of one micro-batch (the pipeline schedule was built with the same function)."""
-    with parallel.loss_context(cfg, layout):
+    with parallelize.loss_context(cfg, layout):
         if schedule is not None:
             losses: list[torch.Tensor] = []
             with autocast:
@@ -25,7 +25,7 @@ def forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast, st
         model, m = parts[0], cfg.training.microbatches
         total = torch.zeros((), device=inputs.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m))):
-            if parallel.uses_fsdp(cfg):
+            if parallelize.uses_fsdp(cfg):
                 model.set_requires_gradient_sync(i == m - 1)  # reduce-scatter once, after the last micro-batch
             with autocast:
                 loss = step_loss(model(x), y) / m

@@ -24,20 +24,21 @@ from keel.monitor.redact import redact
 from keel.monitor.run_dir import CONFIG_FILE, LOG_DIR, STORE_FILE, rank_log_name
 from keel.monitor.store import last_event, read_events, read_meta, read_steps
 from keel.monitor.stragglers import StragglerTracker
-from keel.trainer import exposed_comm, flops, oom, parallel
-from keel.trainer.checkpoint import Checkpointer, manifest_info
+from keel.trainer import exposed_comm, flops, oom
+from keel.trainer.checkpoint.checkpointer import Checkpointer, manifest_info
 from keel.trainer.config import ConfigError, JobConfig, write_resolved_config
-from keel.trainer.data import BatchSampler, open_job_tokens, parse_skip_ranges
-from keel.trainer.distributed import init_distributed, set_collective_timeout, sum_over_ranks
+from keel.trainer.data.loader import BatchSampler, open_job_tokens, parse_skip_ranges
 from keel.trainer.incidents import Incidents
-from keel.trainer.launch import parse_train_args, resolve_run_dir
-from keel.trainer.lifetime import end_with_parent
+from keel.trainer.launch.launcher import parse_train_args, resolve_run_dir
+from keel.trainer.launch.lifetime import end_with_parent
+from keel.trainer.launch.restarts import furthest_step, last_failure
 from keel.trainer.model_args import flops_per_token, model_args
 from keel.trainer.optim import build_optimizer, clip_grads, lr_at, set_lr
+from keel.trainer.parallel import parallelize
+from keel.trainer.parallel.distributed import init_distributed, set_collective_timeout, sum_over_ranks
+from keel.trainer.planning.run_plan import keep_plan_of_run
 from keel.trainer.progress import ProgressLine
 from keel.trainer.recorder_setup import build_recorder
-from keel.trainer.restarts import furthest_step, last_failure
-from keel.trainer.run_plan import keep_plan_of_run
 from keel.trainer.stability import StabilityGuard, Verdict
 from keel.trainer.step import forward_backward
 from keel.trainer.step_metrics import StepReporter, held_tensor_bytes
@@ -108,23 +109,23 @@ class Trainer:
         """This rank's model parts, the pipeline schedule (pp > 1), the optimizer, and the fault plan whose
         hooks the step calls."""
         cfg, device = self.cfg, self.device
-        bf16, self.autocast = parallel.mixed_precision(cfg, device)
+        bf16, self.autocast = parallelize.mixed_precision(cfg, device)
         if bf16 and device.type != "cuda":
             log.warning("training.dtype=bf16 on CPU: running bf16 autocast on CPU")
         log.info("process group up: rank %d of %d on %s", self.rank, self.world, device)
-        self.layout = parallel.build_layout(cfg, device)
+        self.layout = parallelize.build_layout(cfg, device)
         self.model_args = model_args(cfg)
         # The real vocabulary, not the padded one the modules are built with: MFU counts the model's own work.
         self.flop_per_token = flops_per_token(self.model_args, cfg.data.seq_len)
-        self.parts = parallel.build_model_parts(cfg, self.model_args, self.layout, device, bf16)
+        self.parts = parallelize.build_model_parts(cfg, self.model_args, self.layout, device, bf16)
         self.faults = FaultPlan(fault_plan(cfg, self.world), self.rank, self.run_dir)
-        self.schedule = parallel.build_schedule(cfg, self.parts, self.layout, device, self.step_loss) if self.layout.pp > 1 else None
+        self.schedule = parallelize.build_schedule(cfg, self.parts, self.layout, device, self.step_loss) if self.layout.pp > 1 else None
         self.optimizer = build_optimizer(self.parts, cfg.optim)
         log.info("model built: %d stage(s) on this rank", len(self.parts))
 
     def step_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of one micro-batch (the pipeline schedule calls it too)."""
-        return self.faults.corrupt_loss(parallel.loss_fn(logits, targets))  # the chaos hook point on the loss
+        return self.faults.corrupt_loss(parallelize.loss_fn(logits, targets))  # the chaos hook point on the loss
 
     def _build_data(self) -> None:
         cfg = self.cfg
@@ -327,10 +328,10 @@ class Trainer:
         faults.corrupt_grads(parts)
         if cfg.parallel.dp > 1 and cfg.parallel.dp_mode == "replicate":
             faults.before_collective()
-            parallel.all_reduce_replicated_grads(parts, self.layout)
+            parallelize.all_reduce_replicated_grads(parts, self.layout)
         loss_finite = loss is None or bool(torch.isfinite(loss))
         faults.before_collective()
-        grad_norm = parallel.global_grad_norm(parts, self.layout, loss_finite).item()
+        grad_norm = parallelize.global_grad_norm(parts, self.layout, loss_finite).item()
         skipped = not math.isfinite(grad_norm)  # the same verdict on every rank
         if skipped:
             log.warning("step %d skipped: a loss or gradient is not finite on some rank (global grad norm %s)", self.step, grad_norm)
@@ -369,7 +370,7 @@ class Trainer:
         old = self.cfg.training.microbatches
         new = oom.retry_larger_microbatch(self.cfg, self.microbatch_state, self.step)
         if self.schedule is not None:
-            self.schedule = parallel.build_schedule(self.cfg, self.parts, self.layout, self.device, self.step_loss)
+            self.schedule = parallelize.build_schedule(self.cfg, self.parts, self.layout, self.device, self.step_loss)
         self.incidents.oom_retry(self.step, self.attempt, old, new, self.microbatch_state.configured)
 
     def roll_back(self, verdict: Verdict) -> None:

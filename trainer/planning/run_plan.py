@@ -1,7 +1,7 @@
 """The planner against a real run: the estimate `keel train --plan` prints before the first step and keeps
 in the run, and `keel plan --check RUN_DIR`, which sets it beside what the run measured.
 
-The estimate is keel.trainer.planner's for the run's own layout, on the hardware the run found: the peak
+The estimate is keel.trainer.planning.planner's for the run's own layout, on the hardware the run found: the peak
 FLOP/s of its devices (MFU's basis: a data sheet, or on CPU a matmul calibration), their memory, and the
 bus bandwidth and latency of an all-reduce over all ranks, timed before the first step. On CPU, gloo's
 collectives are counted whole (its threads take the cores the compute runs on) and the measured memory is
@@ -24,9 +24,9 @@ from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
 from keel.monitor.run_dir import CONFIG_FILE, STORE_FILE
 from keel.monitor.store import read_meta, read_steps
 from keel.trainer.config import ConfigError, JobConfig, load_config
-from keel.trainer.distributed import probe_link
-from keel.trainer.gpus import gpu_kind
-from keel.trainer.planner import CPU, Hardware, Plan, plan, plan_dict, recompute_factor
+from keel.trainer.parallel.distributed import probe_link
+from keel.trainer.planning.gpus import gpu_kind
+from keel.trainer.planning.planner import CPU, Hardware, Plan, plan, plan_dict, recompute_factor
 from keel.trainer.step_metrics import ALLOCATED_PEAK_META
 
 PLAN_META = "plan"  # the run's meta key: {"hardware": ..., "plan": ...}

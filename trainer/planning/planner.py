@@ -24,10 +24,10 @@ from dataclasses import dataclass, replace
 
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
 from keel.trainer.config import ConfigError, JobConfig, load_config, validate_layout
-from keel.trainer.estimate import EstimateError, parse_count
-from keel.trainer.gpus import GPU_MEMORY_GIB, GPU_PEAK_BF16_FLOPS, gpu_kind
-from keel.trainer.memory_model import activation_bytes, busiest_rank_state_bytes, korthikanti_activation_bytes, rank_model_states
 from keel.trainer.model_args import LLAMA3_VOCAB, MODEL_PRESETS, ModelArgs, count_params, flops_per_token, model_args
+from keel.trainer.planning.estimate import EstimateError, parse_count
+from keel.trainer.planning.gpus import GPU_MEMORY_GIB, GPU_PEAK_BF16_FLOPS, gpu_kind
+from keel.trainer.planning.memory_model import activation_bytes, busiest_rank_state_bytes, korthikanti_activation_bytes, rank_model_states
 
 BF16 = 2  # bytes: activations, TP and PP traffic, FSDP's all-gathers (its MixedPrecisionPolicy)
 FP32 = 4  # bytes: gradients reduced in fp32
@@ -217,7 +217,7 @@ def _collectives(cfg: JobConfig) -> dict[str, int]:
 
 
 def _links(cfg: JobConfig, hw: Hardware) -> dict[str, float]:
-    """The bandwidth each kind of traffic gets. Ranks are laid out pp-major, tp-minor (keel.trainer.parallel),
+    """The bandwidth each kind of traffic gets. Ranks are laid out pp-major, tp-minor (keel.trainer.parallel.parallelize),
     so a tp group is tp consecutive GPUs, a dp group spans dp·tp of them and pp neighbours are dp·tp apart."""
     par = cfg.parallel
     intra, inter = hw.intra_node_bytes_per_s, hw.inter_node_bytes_per_s

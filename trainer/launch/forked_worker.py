@@ -1,4 +1,4 @@
-"""The worker as torchrun's function entrypoint, run in a process forked by keel.trainer.agent's fork
+"""The worker as torchrun's function entrypoint, run in a process forked by keel.trainer.launch.agent's fork
 server. Its own module, so that the agent can name it without importing the trainer: the server has
 imported that already, before it forks."""
 

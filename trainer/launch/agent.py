@@ -3,20 +3,20 @@ with Keel's workers forked from a process that has already imported torch and th
 
 A new interpreter imports torch and Keel's trainer again in every worker, 4.3 s of CPU each: on two
 cores, 17 s before a pp2 dp2 tp2 job's first step, and again at every restart. Here the workers are
-torchrun's function entrypoint `keel.trainer.forked_worker.forked_main`, started with multiprocessing's
+torchrun's function entrypoint `keel.trainer.launch.forked_worker.forked_main`, started with multiprocessing's
 "forkserver" method, the server preloading the trainer: it imports them once, and each worker is a fork
 of it, in milliseconds. Not a fork of the agent itself: the agent has threads (its rendezvous store),
 and a fork copies whatever lock another thread held at that moment (a worker once hung forever in
 getaddrinfo, on glibc's resolver lock). The server is a fresh interpreter with no other thread, and
-it ends with the agent (keel.trainer.fork_server). Any other worker module is started as torchrun starts it.
+it ends with the agent (keel.trainer.launch.fork_server). Any other worker module is started as torchrun starts it.
 
 Started by `keel train` (which names the run directory in KEEL_RUN_DIR), the agent also decides each
-restart by Keel's budget of `--max-restarts` failures in a row without progress (keel.trainer.restarts)
+restart by Keel's budget of `--max-restarts` failures in a row without progress (keel.trainer.launch.restarts)
 rather than torchrun's life-long count of them, prints one line
 per failure naming the rank that failed first, and keeps torchrun's own log lines and tracebacks in
 RUN_DIR/logs/agent.log, off the console.
 
-    python -m keel.trainer.agent TORCHRUN_ARGS...   # exactly `torchrun TORCHRUN_ARGS...`
+    python -m keel.trainer.launch.agent TORCHRUN_ARGS...   # exactly `torchrun TORCHRUN_ARGS...`
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from keel.monitor.run_dir import AGENT_LOG, LOG_DIR
-from keel.trainer.forked_worker import forked_main
-from keel.trainer.restarts import RUN_DIR_ENV, TORCHRUN_MAX_RESTARTS, RestartBudget
+from keel.trainer.launch.forked_worker import forked_main
+from keel.trainer.launch.restarts import RUN_DIR_ENV, TORCHRUN_MAX_RESTARTS, RestartBudget
 
 WORKER_MODULE = "keel.trainer.train"
 AGENT_PID_ENV = "KEEL_AGENT_PID"  # the agent's pid, for the workers: what a node_loss fault kills
@@ -54,7 +54,7 @@ def keel_config(config_from_args):
             LocalElasticAgent._monitor_workers = budgeted(LocalElasticAgent._monitor_workers, budget)
         if not (args.module and args.training_script == WORKER_MODULE):
             return config, cmd, cmd_args
-        multiprocessing.get_context("forkserver").set_forkserver_preload(["keel.trainer.fork_server"])
+        multiprocessing.get_context("forkserver").set_forkserver_preload(["keel.trainer.launch.fork_server"])
         config.start_method = "forkserver"
         return config, forked_main, list(args.training_script_args)
 

@@ -19,10 +19,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.distributed.tensor.parallel import loss_parallel as tp_loss_parallel
 
-from keel.trainer.compile_blocks import apply_checkpointing_and_compile
 from keel.trainer.config import DataParallelMode, JobConfig
 from keel.trainer.model import Transformer
 from keel.trainer.model_args import ModelArgs, padded_vocab_size, stage_layers
+from keel.trainer.parallel.compile_blocks import apply_checkpointing_and_compile
 
 # The train loop's logger: the stages built belong to its start-up story in the rank logs.
 log = logging.getLogger("keel.train")
@@ -229,7 +229,7 @@ def mixed_precision(cfg: JobConfig, device: torch.device) -> tuple[bool, Abstrac
 
 def build_model_parts(cfg: JobConfig, args: ModelArgs, layout: Layout, device: torch.device, bf16: bool) -> list[Transformer]:
     """The model chunks this process holds (one, or v under interleaving), sharded and ready. On the meta device
-    they stay shapes only (keel.trainer.simulate reads what a rank would hold)."""
+    they stay shapes only (keel.trainer.planning.simulate reads what a rank would hold)."""
     parts = []
     for stage in stage_ids(cfg, layout.pp_rank):
         model = build_stage_model(args, cfg, stage)

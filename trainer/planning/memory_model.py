@@ -1,12 +1,12 @@
 """The memory model of the planner and of preflight: what a rank of a layout holds, without building it.
 
 Model states (the ZeRO paper's term: parameters, gradients, optimizer state) are counted from the model's
-shape with the trainer's own splits; keel.trainer.simulate builds the same rank on meta and reads the
+shape with the trainer's own splits; keel.trainer.planning.simulate builds the same rank on meta and reads the
 real tensors, and the two agree exactly (tests/test_scale.py), for every preset at layouts of 8 to 16,384
 GPUs. Activations are the tensors autograd keeps for Keel's block, counted as Korthikanti et al. 2022 count
 GPT's (activation_bytes; their own formulas: korthikanti_activation_bytes).
 
-The splits, as keel.trainer.parallel makes them:
+The splits, as keel.trainer.parallel.parallelize makes them:
 - pipeline: pp rank r holds stages r, r + pp, ... (one per virtual stage), with model_args.stage_layers'
   layers each; the first stage also holds the embedding, the last the final norm and the head;
 - tensor parallel (Megatron): q, k, v, gate and up split by output row, attention out and down by input

@@ -8,7 +8,7 @@ the approximation of Kaplan et al. 2020 ("Scaling Laws for Neural Language Model
 Hoffmann et al. 2022 (Chinchilla). It leaves out attention's score and value products (12 · layers ·
 d_model · seq_len per token, a few percent at 8k context for a 70B model) and any recomputation: MFU
 counts only this useful work, so activation checkpointing shows up as a lower MFU, not as more FLOPs.
-The peak is the GPU's dense bf16 tensor-core figure (keel.trainer.gpus); MFU is the fraction of it a
+The peak is the GPU's dense bf16 tensor-core figure (keel.trainer.planning.gpus); MFU is the fraction of it a
 job achieves (40-55% is good for large dense models: MegaScale reports 55% at 12,288 GPUs).
 
     keel estimate --params 70B --tokens 15T --gpu H100 --gpus 8192 --price-per-gpu-hour 3
@@ -23,7 +23,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
-from keel.trainer.gpus import GPU_PEAK_BF16_FLOPS, gpu_kind
+from keel.trainer.planning.gpus import GPU_PEAK_BF16_FLOPS, gpu_kind
 
 _SUFFIXES = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 

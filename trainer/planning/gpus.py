@@ -1,6 +1,6 @@
 """The GPUs Keel knows: dense bf16 tensor-core peaks (no sparsity) and memory, from the vendors' data
 sheets. MFU on a GPU is measured against the peaks (keel.trainer.flops); a job's cost and layout are
-planned with both (keel.trainer.estimate, keel.trainer.planner). Kept free of torch so that `keel
+planned with both (keel.trainer.planning.estimate, keel.trainer.planning.planner). Kept free of torch so that `keel
 estimate` and `keel plan` start at once."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`keel train`: parse flags and overrides, validate everything, then start torchrun with pp·dp·tp workers;
 at the end, print the commands that show the run and upload its offline W&B runs.
 
-torchrun restarts failed workers as Keel's budget allows (keel.trainer.restarts, decided in the agent).
+torchrun restarts failed workers as Keel's budget allows (keel.trainer.launch.restarts, decided in the agent).
 When the agent itself is killed (SIGKILL: the node's processes vanished), `keel train` resumes the run
 as a cluster scheduler would requeue it, under the same budget. When the budget is spent, it records
 `run_stopped` with an alert and prints the command that resumes the run.
@@ -28,12 +28,12 @@ from keel.monitor.redact import REDACTED
 from keel.monitor.run_dir import CONFIG_FILE, DUMP_DIR, STORE_FILE, wandb_offline_runs
 from keel.monitor.run_lock import RunDirBusy, check_free
 from keel.monitor.store import last_event
+from keel.trainer.checkpoint.manifest import config_record, newest_manifest, vet_resume
 from keel.trainer.config import ConfigError, JobConfig, check_run_dir, load_config, validate
-from keel.trainer.data import open_job_tokens
-from keel.trainer.lifetime import end_with_parent
-from keel.trainer.manifest import config_record, newest_manifest, vet_resume
+from keel.trainer.data.loader import open_job_tokens
+from keel.trainer.launch.lifetime import end_with_parent
+from keel.trainer.launch.restarts import RUN_DIR_ENV, Failure, RestartBudget, last_failure
 from keel.trainer.model_args import allocated_params, model_args
-from keel.trainer.restarts import RUN_DIR_ENV, Failure, RestartBudget, last_failure
 
 # Flags passed through to torchrun so that the same command spans machines.
 TORCHRUN_OPTIONS = (
@@ -211,8 +211,14 @@ def check_model_fits(cfg: JobConfig, nnodes: int) -> None:
 def torchrun_command(cfg: JobConfig, opts: argparse.Namespace, worker_argv: list[str], module: str = "keel.trainer.train") -> list[str]:
     if cfg.world_size % opts.nnodes:
         raise ConfigError(f"--nnodes={opts.nnodes}: pp*dp*tp={cfg.world_size} processes do not split evenly over the nodes")
-    # keel.trainer.agent is torchrun itself, only quicker to exit.
-    cmd = [sys.executable, "-m", "keel.trainer.agent", f"--nproc-per-node={cfg.world_size // opts.nnodes}", f"--nnodes={opts.nnodes}"]
+    # keel.trainer.launch.agent is torchrun itself, only quicker to exit.
+    cmd = [
+        sys.executable,
+        "-m",
+        "keel.trainer.launch.agent",
+        f"--nproc-per-node={cfg.world_size // opts.nnodes}",
+        f"--nnodes={opts.nnodes}",
+    ]
     if opts.nnodes == 1 and not opts.rdzv_endpoint and not opts.master_addr:
         cmd.append("--standalone")  # a free local port, no fixed 29500 to collide on
     for name in TORCHRUN_OPTIONS[2:]:

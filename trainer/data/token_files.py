@@ -7,7 +7,7 @@ the token and document counts and the sha256 of the token bytes. A .bin without 
 nanoGPT file: uint16, its vocabulary only known from its largest id.
 
 `foreign_format` names the files that must never be read as token ids nor as text (compressed files,
-archives, NumPy arrays, Megatron indexes): keel.trainer.data and `keel prepare-data` refuse them.
+archives, NumPy arrays, Megatron indexes): keel.trainer.data.loader and `keel prepare-data` refuse them.
 
 Everything here reads and writes in bounded chunks, so a corpus larger than memory costs no more memory
 than a small one.

@@ -4,7 +4,7 @@ A save is written by every rank into checkpoints/.tmp-step-XXXXXXXX with torch.d
 (async_save: the state is copied aside in the background while the next step computes, and the
 optimizer waits for the copy only if it is not done yet). When DCP reports the whole save
 complete, rank 0 hashes every file, writes manifest.json (step, sha256 per file, the model's shape,
-the data and the parallel layout (keel.trainer.manifest), the code version, the trainer's own state) and
+the data and the parallel layout (keel.trainer.checkpoint.manifest), the code version, the trainer's own state) and
 renames the folder to step-XXXXXXXX. A folder without that name was never finished and is never loaded.
 Loading verifies the hashes; a corrupt checkpoint is renamed *.corrupt, reported, and the next older one
 is tried. A resume also refuses a checkpoint of another model or data.
@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from keel.monitor.checkpoints import verify
 from keel.monitor.hashing import sha256_file
 from keel.monitor.run_dir import CHECKPOINT_DIR, MANIFEST, checkpoint_name, list_checkpoints
+from keel.trainer.checkpoint.manifest import config_record, vet_resume
 from keel.trainer.config import CheckpointConfig, JobConfig
-from keel.trainer.manifest import config_record, vet_resume
 
 log = logging.getLogger("keel.checkpoint")
 
@@ -363,7 +363,7 @@ def missing_shards(folder: Path) -> list[str]:
 
 def manifest_info(cfg: JobConfig, data_version: str) -> dict:
     """What a checkpoint records about where it came from: the model, the data and the layout that a
-    resume is checked against (keel.trainer.manifest), and the code."""
+    resume is checked against (keel.trainer.checkpoint.manifest), and the code."""
     try:
         keel_version = importlib.metadata.version("keel")
     except importlib.metadata.PackageNotFoundError:

@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from keel.trainer.parallel import Layout
+from keel.trainer.parallel.parallelize import Layout
 
 # The train loop's logger: these lines belong to its start-up and recovery story in the rank logs.
 log = logging.getLogger("keel.train")

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from keel.trainer.activation_checkpoint import apply_activation_checkpointing
 from keel.trainer.config import ActivationCheckpointing
 from keel.trainer.model import Transformer
+from keel.trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 
 
 def apply_checkpointing_and_compile(model: Transformer, checkpointing: ActivationCheckpointing, compile: bool) -> None:

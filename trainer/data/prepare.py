@@ -4,7 +4,7 @@ Each input file is one document. Without a tokenizer the tokens are the files' b
 (vocabulary 256). With `--tokenizer tokenizer.json`, or `--train-tokenizer N` (a byte-level BPE tokenizer
 of N tokens trained on the inputs first and saved as OUT.bin.tokenizer.json), the text is encoded by the Hugging
 Face tokenizers library and documents are separated by the end-of-document id. The output is uint16 when
-the vocabulary fits, uint32 otherwise, with its sidecar OUT.bin.json (keel.trainer.token_files). Inputs are
+the vocabulary fits, uint32 otherwise, with its sidecar OUT.bin.json (keel.trainer.data.token_files). Inputs are
 streamed and the output written as it is made, so a corpus larger than memory is fine. Progress (bytes
 and tokens per second) goes to stderr.
 
@@ -25,7 +25,7 @@ import numpy as np
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
 from keel.monitor.hashing import sha256_file
 from keel.trainer.config import ConfigError
-from keel.trainer.token_files import (
+from keel.trainer.data.token_files import (
     Sidecar,
     TokenFileWriter,
     check_sidecar,
@@ -159,7 +159,7 @@ def prepare(opts: argparse.Namespace, files: list[Path]) -> Sidecar:
     if opts.tokenizer is None and opts.train_tokenizer is None:
         return _prepare_bytes(opts.out, files)
     # Imported here: the tokenizers library is needed by this path only.
-    from keel.trainer import text_tokenizers as tt
+    from keel.trainer.data import text_tokenizers as tt
 
     try:
         tokenizer, tokenizer_path = _tokenizer(opts, files)
@@ -194,7 +194,7 @@ def _trained_tokenizer_path(opts: argparse.Namespace) -> Path | None:
 
 def _tokenizer(opts: argparse.Namespace, files: list[Path]):
     """(the tokenizer, its file): the one named by --tokenizer, or one trained on `files` for --train-tokenizer."""
-    from keel.trainer import text_tokenizers as tt
+    from keel.trainer.data import text_tokenizers as tt
 
     if opts.train_tokenizer is None:
         return tt.load_tokenizer(opts.tokenizer), opts.tokenizer

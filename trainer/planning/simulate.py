@@ -24,12 +24,12 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
-from keel.trainer import parallel
 from keel.trainer.config import ConfigError, JobConfig
-from keel.trainer.launch import parse_train_args
-from keel.trainer.memory_model import ModelStates
+from keel.trainer.launch.launcher import parse_train_args
 from keel.trainer.model_args import model_args
 from keel.trainer.optim import build_optimizer
+from keel.trainer.parallel import parallelize
+from keel.trainer.planning.memory_model import ModelStates
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ def simulate_rank(cfg: JobConfig, rank: int) -> RankMemory:
         raise ValueError(f"rank={rank}: the layout has ranks 0 to {cfg.world_size - 1}")
     dist.init_process_group("fake", rank=rank, world_size=cfg.world_size, store=FakeStore())
     try:
-        layout = parallel.build_layout(cfg, torch.device("cpu"))
-        parts = parallel.build_model_parts(cfg, model_args(cfg), layout, torch.device("meta"), bf16=False)
+        layout = parallelize.build_layout(cfg, torch.device("cpu"))
+        parts = parallelize.build_model_parts(cfg, model_args(cfg), layout, torch.device("meta"), bf16=False)
         optimizer = build_optimizer(parts, cfg.optim, fused=False)
         params = [p for part in parts for p in part.parameters()]
         for p in params:

@@ -4,10 +4,10 @@ Sources, each read as one flat array of token ids, never converted or loaded who
 - "builtin": the Python standard library's own source code as bytes (vocabulary 256). It exists wherever
   Keel is installed, so every example and test can train without a network.
 - a token file made by `keel prepare-data` (uint16 or uint32 with a JSON sidecar), or a plain nanoGPT
-  uint16 .bin (keel.trainer.token_files);
+  uint16 .bin (keel.trainer.data.token_files);
 - an llm.c / modded-nanogpt shard: a header of 256 int32 (magic, version, token count), then the ids;
 - a Megatron-LM indexed dataset, PREFIX.bin + PREFIX.idx, named by its prefix, its .bin or its .idx
-  (keel.trainer.megatron_index).
+  (keel.trainer.data.megatron_index).
 
 A file without a sidecar or a header cannot prove its layout, so it is read as nanoGPT's uint16 only when
 it shows none of the marks of something else (a known magic, text, 32-bit ids).
@@ -33,9 +33,9 @@ import numpy as np
 
 from keel.monitor.hashing import sha256_file
 from keel.trainer.config import ConfigError, JobConfig
-from keel.trainer.megatron_index import megatron_paths, read_index
-from keel.trainer.token_files import FILE_DTYPES, check_sidecar, foreign_format, read_head, read_sidecar, scan_tokens, sidecar_path
-from keel.trainer.token_files import write_token_file as write_token_file  # re-exported: the byte writer tests use
+from keel.trainer.data.megatron_index import megatron_paths, read_index
+from keel.trainer.data.token_files import FILE_DTYPES, check_sidecar, foreign_format, read_head, read_sidecar, scan_tokens, sidecar_path
+from keel.trainer.data.token_files import write_token_file as write_token_file  # re-exported: the byte writer tests use
 
 BYTE_VOCAB_SIZE = 256
 BUILTIN_MAX_BYTES = 4 * 1024 * 1024

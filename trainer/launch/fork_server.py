@@ -1,15 +1,15 @@
-"""Loaded by the fork server that keel.trainer.agent starts (multiprocessing's forkserver preload list,
+"""Loaded by the fork server that keel.trainer.launch.agent starts (multiprocessing's forkserver preload list,
 the one hook into that process): the trainer imported once, for every worker forked from the server,
 and the server bound to the agent's life.
 
 The server would otherwise outlive a killed agent: each worker it forks holds the server's "alive"
 pipe (so that it could fork in turn), and the server waits for every holder to end. With the agent's
-death ending the server, the workers, which end with their parent (keel.trainer.lifetime), follow.
+death ending the server, the workers, which end with their parent (keel.trainer.launch.lifetime), follow.
 """
 
 from __future__ import annotations
 
 import keel.trainer.train  # noqa: F401  (what every worker is forked with)
-from keel.trainer.lifetime import end_with_parent
+from keel.trainer.launch.lifetime import end_with_parent
 
 end_with_parent()
