@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import wandb
 
+from keel.monitor.alert_rules import SHIPPED
 from keel.monitor.store import read_events, read_steps
 from keel.trainer.launch.launcher import parse_train_args
 from keel.trainer.train import Trainer
@@ -42,7 +43,6 @@ from servers import WebhookReceiver, free_port, start_alertmanager, start_promet
 
 WARMUP_STEPS = 50  # also lets the sinks' own start-up (wandb's service process) settle
 TARGET = 0.01  # every sink on costs at most 1% of a step
-SHIPPED_RULES = Path(__file__).resolve().parents[1] / "monitor" / "alerting" / "keel-rules.yml"
 # Fires for as long as a run is scraped, so that Prometheus really evaluates and sends alerts meanwhile.
 BENCH_RULE = """groups:
   - name: bench
@@ -139,7 +139,7 @@ def main() -> None:
     sink_cpu: list[float] = []
     with tempfile.TemporaryDirectory() as tmp, WebhookReceiver() as alerts:
         (Path(tmp) / "bench-rules.yml").write_text(BENCH_RULE)
-        rules = [str(SHIPPED_RULES), str(Path(tmp) / "bench-rules.yml")]
+        rules = [str(SHIPPED), str(Path(tmp) / "bench-rules.yml")]
         with (
             start_alertmanager(Path(tmp), alerts.url) as am,
             start_prometheus(Path(tmp), [f"127.0.0.1:{exporter_port}"], rules, am.url) as prom,

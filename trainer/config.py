@@ -441,7 +441,8 @@ def _split_override(text: str) -> tuple[str, str]:
     return dotted, value
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The numbers that divide n, the choices a divisibility error offers and the planner enumerates."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -475,12 +476,12 @@ def _validate_model_split(cfg: JobConfig) -> None:
     par, args = cfg.parallel, model_args(cfg)
     if args.dim % args.n_heads:
         raise ConfigError(
-            f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}; choose n_heads from {_divisors(args.dim)}"
+            f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}; choose n_heads from {divisors(args.dim)}"
         )
     if args.n_heads % args.n_kv_heads:
         raise ConfigError(
             f"model.n_heads={args.n_heads} is not divisible by model.n_kv_heads={args.n_kv_heads}; "
-            f"choose n_kv_heads from {_divisors(args.n_heads)}"
+            f"choose n_kv_heads from {divisors(args.n_heads)}"
         )
     if args.n_layers < par.n_stages:  # an uneven split is fine (model_args.stage_layers), an empty stage is not
         raise ConfigError(
@@ -491,7 +492,7 @@ def _validate_model_split(cfg: JobConfig) -> None:
     for name in ("n_heads", "n_kv_heads", "dim", "ffn_dim"):
         value = getattr(args, name)
         if value % par.tp:
-            raise ConfigError(f"parallel.tp={par.tp}: model.{name}={value} is not divisible by tp; choose tp from {_divisors(value)}")
+            raise ConfigError(f"parallel.tp={par.tp}: model.{name}={value} is not divisible by tp; choose tp from {divisors(value)}")
     if par.sequence_parallel and par.tp > 1 and cfg.data.seq_len % par.tp:
         raise ConfigError(
             f"parallel.sequence_parallel=true splits data.seq_len={cfg.data.seq_len} over tp={par.tp} ranks; "

@@ -1,28 +1,32 @@
 """Peak FLOPS of the device, the basis of MFU: a table for GPUs, a matmul calibration on CPU.
 
-An unknown GPU is never a silent fallback: it gets a warning and the basis says what was assumed.
+An unknown GPU is never a silent fallback: an MFU against an assumed peak would be a number nobody can
+trust, so the run reports none (NaN) and logs one line that names metrics.peak_tflops. Training goes on:
+a missing metric is no reason to stop a job.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
-import warnings
 
 import torch
 
-from keel.trainer.planning.gpus import GPU_PEAK_BF16_FLOPS
+from keel.trainer.planning.gpus import GPUS, gpu_kind, unknown_gpu
 
-UNKNOWN_GPU_ASSUMED = "H100 SXM"
+log = logging.getLogger(__name__)
 
 
 def gpu_peak_flops(device_name: str) -> tuple[float, str]:
     """(peak FLOP/s, basis) for a CUDA device name such as 'NVIDIA H100 80GB HBM3'."""
-    for key in sorted(GPU_PEAK_BF16_FLOPS, key=len, reverse=True):
-        if all(part in device_name for part in key.split()):
-            return GPU_PEAK_BF16_FLOPS[key], f"table: {key} dense bf16 {GPU_PEAK_BF16_FLOPS[key] / 1e12:.0f} TFLOPS"
-    peak = GPU_PEAK_BF16_FLOPS[UNKNOWN_GPU_ASSUMED]
-    warnings.warn(f"unknown GPU '{device_name}': MFU assumes the {UNKNOWN_GPU_ASSUMED} peak of {peak / 1e12:.0f} TFLOPS", stacklevel=2)
-    return peak, f"unknown GPU '{device_name}', assumed {UNKNOWN_GPU_ASSUMED} {peak / 1e12:.0f} TFLOPS"
+    kind = gpu_kind(device_name)
+    if kind is None:
+        basis = "GPU " + unknown_gpu(device_name, "no MFU; set metrics.peak_tflops to its dense bf16 TFLOPS")
+        log.error("%s", basis)
+        return math.nan, basis
+    peak = GPUS[kind].peak_bf16_flops
+    return peak, f"table: {kind} dense bf16 {peak / 1e12:.0f} TFLOPS"
 
 
 def calibrate_cpu_peak(size: int = 512, seconds: float = 0.3) -> float:

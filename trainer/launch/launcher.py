@@ -34,6 +34,7 @@ from keel.trainer.data.loader import open_job_tokens
 from keel.trainer.launch.lifetime import end_with_parent
 from keel.trainer.launch.restarts import RUN_DIR_ENV, Failure, RestartBudget, last_failure
 from keel.trainer.model_args import allocated_params, model_args
+from keel.trainer.planning.memory_model import MODEL_STATE_BYTES_PER_PARAM
 
 # Flags passed through to torchrun so that the same command spans machines.
 TORCHRUN_OPTIONS = (
@@ -183,10 +184,6 @@ def name_multi_node_run(cfg: JobConfig, opts: argparse.Namespace) -> None:
             "give every node the same --run-dir (on a shared filesystem) or the same --rdzv-id"
         )
     cfg.run.run_id = opts.rdzv_id
-
-
-# fp32 weights, gradients and AdamW's two moments: what every parameter holds however the layout splits it.
-MODEL_STATE_BYTES_PER_PARAM = 16
 
 
 def check_model_fits(cfg: JobConfig, nnodes: int) -> None:

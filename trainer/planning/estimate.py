@@ -23,7 +23,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
-from keel.trainer.planning.gpus import GPU_PEAK_BF16_FLOPS, gpu_kind
+from keel.trainer.planning.gpus import GPUS, gpu_kind, unknown_gpu
 
 _SUFFIXES = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
@@ -65,11 +65,11 @@ def peak_flops(gpu: str | None, peak_tflops: float | None) -> tuple[str, float]:
             raise EstimateError(f"--peak-tflops {peak_tflops:g}: must be more than 0 (the GPU's dense bf16 TFLOPS)")
         return gpu or "custom", peak_tflops * 1e12
     if gpu is None:
-        raise EstimateError("--gpu is required (or --peak-tflops): one of " + ", ".join(GPU_PEAK_BF16_FLOPS))
+        raise EstimateError("--gpu is required (or --peak-tflops): one of " + ", ".join(GPUS))
     kind = gpu_kind(gpu)
     if kind is None:
-        raise EstimateError(f"--gpu {gpu!r}: unknown; known kinds: {', '.join(GPU_PEAK_BF16_FLOPS)}; or give --peak-tflops")
-    return kind, GPU_PEAK_BF16_FLOPS[kind]
+        raise EstimateError("--gpu " + unknown_gpu(gpu, "or give --peak-tflops"))
+    return kind, GPUS[kind].peak_bf16_flops
 
 
 def estimate(params: float, tokens: float, gpu: str, peak: float, mfu: float, gpus: int, price: float | None) -> Estimate:
@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="keel estimate", description=__doc__.split("\n\n")[0])
     p.add_argument("--params", required=True, help="parameters trained: 70B, 8e9, 405000000000")
     p.add_argument("--tokens", required=True, help="tokens seen in training: 15T, 1e12")
-    p.add_argument("--gpu", help=f"GPU kind: {', '.join(GPU_PEAK_BF16_FLOPS)}")
+    p.add_argument("--gpu", help=f"GPU kind: {', '.join(GPUS)}")
     p.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, for a kind not in the table")
     p.add_argument("--gpus", type=int, default=1, help="GPUs the job runs on, for the wall-clock days (default 1)")
     p.add_argument("--mfu", type=float, default=0.45, help="model FLOPs utilization, a fraction (default 0.45)")

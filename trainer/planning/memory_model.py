@@ -28,6 +28,8 @@ from keel.trainer.model_args import ModelArgs, model_args, padded_vocab_size, st
 
 WEIGHT_BYTES = GRAD_BYTES = 4  # fp32
 ADAMW_BYTES = 8  # two fp32 moments
+# What every parameter holds however the layout splits it: the lower bound of any layout's memory.
+MODEL_STATE_BYTES_PER_PARAM = WEIGHT_BYTES + GRAD_BYTES + ADAMW_BYTES
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
-from keel.trainer.config import ConfigError, JobConfig, load_config, validate_layout
+from keel.trainer.config import ConfigError, JobConfig, divisors, load_config, validate_layout
 from keel.trainer.model_args import LLAMA3_VOCAB, MODEL_PRESETS, ModelArgs, count_params, flops_per_token, model_args
 from keel.trainer.planning.estimate import EstimateError, parse_count
-from keel.trainer.planning.gpus import GPU_MEMORY_GIB, GPU_PEAK_BF16_FLOPS, gpu_kind
-from keel.trainer.planning.memory_model import activation_bytes, busiest_rank_state_bytes, korthikanti_activation_bytes, rank_model_states
+from keel.trainer.planning.gpus import GPUS, gpu_kind, unknown_gpu
+from keel.trainer.planning.memory_model import (
+    MODEL_STATE_BYTES_PER_PARAM,
+    activation_bytes,
+    busiest_rank_state_bytes,
+    korthikanti_activation_bytes,
+    rank_model_states,
+)
 
 BF16 = 2  # bytes: activations, TP and PP traffic, FSDP's all-gathers (its MixedPrecisionPolicy)
 FP32 = 4  # bytes: gradients reduced in fp32
@@ -95,16 +101,12 @@ class Plan:
         return f"pp{par.pp}{pipeline} dp{par.dp} {par.dp_mode} tp{par.tp}{sp} m{tr.microbatches} ac={tr.activation_checkpointing}"
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
 def candidates(base: JobConfig, hw: Hardware) -> list[JobConfig]:
     """Every layout of hw.gpus GPUs that keel train accepts for base's model and batch, tp inside a node."""
     args, batch = model_args(base), base.training.global_batch_size
     found = []
-    for tp in (t for t in _divisors(hw.gpus) if t <= hw.gpus_per_node):
-        for pp in (p for p in _divisors(hw.gpus // tp) if p <= args.n_layers):
+    for tp in (t for t in divisors(hw.gpus) if t <= hw.gpus_per_node):
+        for pp in (p for p in divisors(hw.gpus // tp) if p <= args.n_layers):
             dp = hw.gpus // (tp * pp)
             for cfg in _variants(base, pp, dp, tp, batch):
                 try:
@@ -121,7 +123,7 @@ def _variants(base: JobConfig, pp: int, dp: int, tp: int, batch: int):
     modes = ["zero3", "zero2", "replicate"] if dp > 1 else ["zero3"]
     per_rank = batch // dp if batch % dp == 0 else 0
     for schedule, v in schedules:
-        for m in (k for k in _divisors(per_rank) if (pp == 1 and k <= 8) or (pp > 1 and k >= pp * v and k <= 8 * pp * v)):
+        for m in (k for k in divisors(per_rank) if (pp == 1 and k <= 8) or (pp > 1 and k >= pp * v and k <= 8 * pp * v)):
             for mode in modes:
                 for ac in ("none", "selective", "full"):
                     for sp in (False, True) if tp > 1 else (False,):
@@ -284,8 +286,9 @@ def base_config(opts) -> JobConfig:
 def hardware(opts, gpus: int | None = None) -> Hardware:
     kind = gpu_kind(opts.gpu)
     if kind is None:
-        raise ConfigError(f"--gpu {opts.gpu!r}: unknown; known kinds: {', '.join(GPU_PEAK_BF16_FLOPS)}")
-    return Hardware(kind, gpus or opts.gpus, opts.gpus_per_node, GPU_PEAK_BF16_FLOPS[kind], GPU_MEMORY_GIB[kind] * 2**30,
+        raise ConfigError("--gpu " + unknown_gpu(opts.gpu, "or plan with a known kind of the same peak and memory"))
+    gpu = GPUS[kind]
+    return Hardware(kind, gpus or opts.gpus, opts.gpus_per_node, gpu.peak_bf16_flops, gpu.memory_gib * 2**30,
                     opts.intra_node_gbps * 1e9, opts.inter_node_gbps * 1e9, opts.compute_efficiency)  # fmt: skip
 
 
@@ -295,7 +298,7 @@ def smallest_fitting(
     """The fewest GPUs, in whole nodes, on which some layout fits, with the fastest plan there: doubling the
     node count until one fits (counts with many factors, where most layouts exist), then node by node
     between the last two. None up to `most_gpus`."""
-    states = 16 * count_params(model_args(cfg))[0]
+    states = MODEL_STATE_BYTES_PER_PARAM * count_params(model_args(cfg))[0]
 
     def best_at(gpus: int) -> Plan | None:
         if states / gpus > USABLE_MEMORY * hw.memory_bytes:  # the model states alone, spread over every GPU
