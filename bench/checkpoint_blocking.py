@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from keel.monitor.event_kinds import EventKind
 from keel.monitor.store import read_events
 from keel.trainer.launch.launcher import parse_train_args
 from keel.trainer.train import Trainer
@@ -69,7 +70,8 @@ def run(run_dir: Path, steps: int, mode: str) -> tuple[float, list[float]]:
         started = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - started
-    saves = read_events(run_dir).query("kind == 'checkpoint_saved'")
+    events = read_events(run_dir)
+    saves = events[events.kind == EventKind.CHECKPOINT_SAVED]
     return wall, [d["blocking_s"] for d in saves.data]
 
 

@@ -38,8 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
+from keel.monitor.event_kinds import EventKind
 from keel.monitor.run_dir import STORE_FILE
-from keel.monitor.store import RANK_COLUMNS, STEP_COLUMNS, RunStore
+from keel.monitor.store import RANK_COLUMNS, RunStore
 
 RANKS = 8
 LIVE_STEPS = 17  # a trainer's steps between two refreshes (5 s) at 0.3 s a step
@@ -64,13 +65,13 @@ def make_store(run_dir: Path, steps: int, seed: int = 0) -> None:
         events = []
         for s in range(1000, steps + 1, 1000):
             saved = json.dumps({"path": f"checkpoints/step-{s:08d}", "blocking_s": 0.012, "total_s": 2.5})
-            events.append((s, 0, None, "checkpoint_saved", "info", f"step-{s:08d}: blocked 12 ms, written in 2.50 s", saved))
+            events.append((s, 0, None, EventKind.CHECKPOINT_SAVED, "info", f"step-{s:08d}: blocked 12 ms, written in 2.50 s", saved))
             if s % 50_000 == 0:
-                events.append((s, 0, None, "spike", "critical", f"loss spike at step {s}", "{}"))
-                events.append((s, 0, None, "alert", "critical", "KeelLossSpike", "{}"))
+                events.append((s, 0, None, EventKind.SPIKE, "critical", f"loss spike at step {s}", "{}"))
+                events.append((s, 0, None, EventKind.ALERT, "critical", "KeelLossSpike", "{}"))
             if s % 7000 == 0:
-                events.append((s, 0, 5, "straggler", "warning", "rank 5 is a straggler", "{}"))
-        events.append((rerun_from, 1, None, "rollback", "critical", f"rolled back to step {rerun_from - 1}", "{}"))
+                events.append((s, 0, 5, EventKind.STRAGGLER, "warning", "rank 5 is a straggler", "{}"))
+        events.append((rerun_from, 1, None, EventKind.ROLLBACK, "critical", f"rolled back to step {rerun_from - 1}", "{}"))
         conn.executemany(
             "INSERT INTO events (time, step, attempt, rank, kind, severity, message, data) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             [(1.7e9 + e[0], *e) for e in events],
@@ -90,8 +91,9 @@ def _insert_steps(conn: sqlite3.Connection, rng: np.random.Generator, step: np.n
         "step_time_s": step_time, "data_time_s": rng.uniform(0.001, 0.01, n), "mem_peak_bytes": np.full(n, 40 * 2**30),
         "skipped": np.zeros(n, dtype=int),
     }  # fmt: skip
-    rows = np.column_stack([values[c].astype(object) for c in STEP_COLUMNS]).tolist()
-    conn.executemany(f"INSERT INTO steps ({', '.join(STEP_COLUMNS)}) VALUES ({', '.join('?' * len(STEP_COLUMNS))})", rows)
+    # The columns this bench makes up; the others (the ranks' spread) are NULL, as in a store of an earlier Keel.
+    rows = np.column_stack([v.astype(object) for v in values.values()]).tolist()
+    conn.executemany(f"INSERT INTO steps ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})", rows)
     rank = np.repeat(np.arange(RANKS)[None, :], n, axis=0).ravel()
     per_rank = {
         "step": np.repeat(step, RANKS), "attempt": np.full(n * RANKS, attempt), "rank": rank,

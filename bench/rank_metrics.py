@@ -31,7 +31,7 @@ from keel.monitor.recorder import RunRecorder
 from keel.monitor.run_dir import STORE_FILE
 from keel.monitor.store import RunStore
 from keel.trainer import step_metrics
-from keel.trainer.step_metrics import StepReporter
+from keel.trainer.step_metrics import StepNumbers, StepReporter
 
 SAMPLE_EVERY = 10  # metrics.comm_sample_every's default
 STEPS = {8: 2000, 512: 400, 16384: 60}  # steps written per side: enough sampled steps at every size
@@ -67,7 +67,7 @@ def record(world: int, every_step: bool, steps: int, run_dir: Path) -> tuple[flo
         rows = gathered(world, step, sampled, gen)
         with mock.patch.object(step_metrics, "gather_rows", return_value=rows):
             start = time.perf_counter()
-            reporter.report(step, 0, 3e-4, 1.0, torch.tensor(3.0), 0.003, 0.2 if sampled else None, sampled=sampled)
+            reporter.report(StepNumbers(step, 0, 3e-4, 1.0, torch.tensor(3.0), 0.003, 0.2 if sampled else None, sampled=sampled))
             spent += time.perf_counter() - start
     recorder.close()
     return spent / steps, (run_dir / STORE_FILE).stat().st_size

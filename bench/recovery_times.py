@@ -31,6 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from keel.monitor.event_kinds import EventKind
 from keel.monitor.run_dir import CHAOS_DIR, INJECTED_FILE, MICROBATCH_FILE
 from keel.monitor.store import read_events, read_steps
 from keel.trainer.config import WatchdogConfig, load_config
@@ -70,7 +71,7 @@ def rollback(tmp: Path, preset: str) -> None:
         "--fault=spike@step=90,steps=5",
     )
     steps, events = read_steps(run_dir), read_events(run_dir)
-    rb = events[events.kind == "rollback"].iloc[0]
+    rb = events[events.kind == EventKind.ROLLBACK].iloc[0]
     confirm = steps[(steps.step == rb.data["from_step"]) & (steps.attempt == rb.attempt - 1)].iloc[0]
     took = first_step_start(steps, rb.attempt) - confirm.time
     step_s = statistics.median(steps[steps.attempt == 0].step_time_s.iloc[10:])
@@ -93,13 +94,13 @@ def fault(tmp: Path, preset: str, kind: str, watchdog: WatchdogConfig, extra: li
     median = statistics.median(steps[steps.attempt == 0].step_time_s.iloc[watchdog.warmup_steps :])
     allowance = max(watchdog.floor_s, watchdog.step_factor * median)
     detected, target = _detection(run_dir, events, kind, fired, allowance + watchdog.poll_s)
-    started = events[(events.kind == "run_started") & (events.attempt > 0)].iloc[0]
+    started = events[(events.kind == EventKind.RUN_STARTED) & (events.attempt > 0)].iloc[0]
     restart_s = started.data["process_start"] - detected
     resume_s = first_step_start(steps, started.attempt) - started.data["process_start"]
-    loaded = events[(events.kind == "checkpoint_loaded") & (events.attempt == started.attempt)]
+    loaded = events[(events.kind == EventKind.CHECKPOINT_LOADED) & (events.attempt == started.attempt)]
     load_s = loaded.iloc[0].data["load_s"] if len(loaded) else 0.0
     grace = 3 * watchdog.poll_s if kind in ("hang", "deadlock") else 0.0
-    layout = events[events.kind == "run_started"].iloc[0].message
+    layout = events[events.kind == EventKind.RUN_STARTED].iloc[0].message
     print(f"{kind} ({preset}, {layout}; median step {median:.3f} s, step allowance {allowance:.2f} s):")
     print(f"  detect  {verdict(detected - fired, target)}")
     print(f"  restart {verdict(restart_s, grace + RESTART_TARGET_S)}")
@@ -111,12 +112,12 @@ def _detection(run_dir: Path, events, kind: str, fired: float, hang_target: floa
     """When the failure was known, and the detection target: the hang event for hangs and deadlocks, the
     out-of-memory handler's record, or the agent's record of the dead process."""
     if kind in ("hang", "deadlock"):
-        hang = events[events.kind == "hang"].iloc[0]
+        hang = events[events.kind == EventKind.HANG].iloc[0]
         return hang.data.get("detected_at", hang.time), hang_target
     if kind == "oom":
         return json.loads((run_dir / MICROBATCH_FILE).read_text())["time"], PROCESS_DEATH_TARGET_S
     # The agent's record of the failure when it keeps one; else the fault itself, which killed the process.
-    return events[events.kind == "restart"].iloc[0].data.get("time", fired), PROCESS_DEATH_TARGET_S
+    return events[events.kind == EventKind.RESTART].iloc[0].data.get("time", fired), PROCESS_DEATH_TARGET_S
 
 
 def main() -> None:

@@ -34,6 +34,7 @@ import torch
 import wandb
 
 from keel.monitor.alert_rules import SHIPPED
+from keel.monitor.event_kinds import EventKind
 from keel.monitor.store import read_events, read_steps
 from keel.trainer.launch.launcher import parse_train_args
 from keel.trainer.train import Trainer
@@ -115,7 +116,8 @@ def run(steps: int, run_dir: Path, flags: list[str]) -> tuple[float, float]:
     )
     with contextlib.redirect_stdout(io.StringIO()):
         Trainer(cfg, torch.device("cpu"), rank=0, world=1).train()
-    closed = read_events(run_dir).query("kind == 'sinks_closed'")
+    events = read_events(run_dir)
+    closed = events[events.kind == EventKind.SINKS_CLOSED]
     sink_cpu = sum(s["cpu_s"] for s in closed.iloc[0].data.values()) if len(closed) else 0.0
     return statistics.median(read_steps(run_dir).step_time_s[WARMUP_STEPS:]), sink_cpu / steps
 

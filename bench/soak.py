@@ -28,28 +28,16 @@ from pathlib import Path
 
 import pandas as pd
 
+from keel.chaos.kinds import KINDS
 from keel.monitor.run_dir import CHAOS_DIR, INJECTED_FILE, STORE_FILE
 from keel.monitor.store import read_events, read_meta, read_steps, step_bounds
 
-KINDS = "nan;inf;spike;data_corrupt;oom;hang;deadlock;crash;segfault;ckpt_corrupt"
-# What detects each kind of fault, and what recovers from it ("" when going on is the recovery).
-DETECTED_BY = {
-    "nan": ("nonfinite",),
-    "inf": ("nonfinite",),
-    "spike": ("spike", "loss_outlier"),
-    "data_corrupt": ("bad_batch",),
-    "oom": ("oom",),
-    "hang": ("hang",),
-    "deadlock": ("hang",),
-    "crash": ("restart",),
-    "segfault": ("restart",),
-    "node_loss": ("node_loss",),
-    "ckpt_corrupt": ("checkpoint_corrupt",),
-}
-RECOVERIES = ("rollback", "restart", "node_loss")
+RANDOM_KINDS = "nan;inf;spike;data_corrupt;oom;hang;deadlock;crash;segfault;ckpt_corrupt"
+# What detects a fault, and what recovers from it, is what its kind's drill expects (keel.chaos.kinds).
+RECOVERIES = {event for kind in KINDS.values() for event in kind.expect.recover}
 # Faults after which the trajectory may rightly differ from the clean run's: skipped data or updates,
 # or another micro-batch split.
-CHANGES_DATA = ("nan", "inf", "spike", "data_corrupt", "oom")
+CHANGES_DATA = [name for name, kind in KINDS.items() if not kind.expect.bit_identical]
 
 
 def keel_train(run_dir: Path, args: list[str], log: Path) -> subprocess.Popen:
@@ -110,7 +98,7 @@ def run_unattended(run_dir: Path, args: list[str], node_loss_step: int) -> tuple
 def injections(run_dir: Path, node_killed: float | None) -> pd.DataFrame:
     path = run_dir / CHAOS_DIR / INJECTED_FILE
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    rows = [r for r in rows if r["kind"] in DETECTED_BY]
+    rows = [r for r in rows if r["kind"] in KINDS]
     if node_killed:
         rows.append({"kind": "node_loss", "step": None, "rank": None, "time": node_killed, "fault": "killed from outside"})
     frame = pd.DataFrame(rows)
@@ -123,7 +111,7 @@ def injections(run_dir: Path, node_killed: float | None) -> pd.DataFrame:
 def account(fault: pd.Series, events: pd.DataFrame, steps: pd.DataFrame, step_s: float) -> dict:
     """What one fault cost: detection, recovery, steps recomputed and seconds lost."""
     after = events[events.time >= fault.time]
-    detect = after[after.kind.isin(DETECTED_BY[fault.kind])].head(1)
+    detect = after[after.kind.isin(KINDS[fault.kind].expect.detect)].head(1)
     step = fault.step if fault.step == fault.step and fault.step is not None else _step_at(steps, fault.time)
     row = {"kind": fault.kind, "step": int(step), "rank": "all" if fault.rank is None or fault.rank != fault.rank else int(fault.rank)}
     row["detected by"] = detect.kind.iloc[0] if len(detect) else "-"
@@ -188,7 +176,7 @@ def main() -> int:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--mtbf", type=float, default=25, help="mean steps between random faults")
-    p.add_argument("--kinds", default=KINDS)
+    p.add_argument("--kinds", default=RANDOM_KINDS)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--node-loss-step", type=int, help="kill the whole job from outside at this step (default: half way; 0: never)")
     p.add_argument("--dir", type=Path, help="where the two runs go (default: a temporary folder, kept)")

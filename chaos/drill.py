@@ -22,11 +22,13 @@ import threading
 import time
 import tomllib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from keel.chaos.fault_specs import KINDS, parse_fault
-from keel.chaos.verdict import DrillResult, Expectation, judge, skipped_batches
+from keel.chaos.fault_specs import parse_fault
+from keel.chaos.kinds import KINDS, Expectation
+from keel.chaos.verdict import DrillResult, judge, skipped_batches
+from keel.monitor.event_kinds import EventKind
 from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from keel.monitor.run_dir import DRILL_DIR, STORE_FILE
 from keel.monitor.store import read_events, read_steps
@@ -40,48 +42,23 @@ class Drill:
     faults: tuple[str, ...]  # templates: {S} fault step, {R} faulty rank, {K} recovery.nonfinite_limit, {MS} a delay,
     # {ROWS} half the job's micro-batch (sequences): a memory that one halving gets under
     expect: Expectation
-    min_stage_ranks: int = 1  # ranks per pipeline stage needed to tell a slow rank from its peers
 
     @property
     def train_args(self) -> list[str]:
         # A slow rank is scored on the steps whose communication is measured: measure every other one.
-        return ["--metrics.comm_sample_every=2"] if self.min_stage_ranks > 1 else []
+        return ["--metrics.comm_sample_every=2"] if self.expect.min_stage_ranks > 1 else []
 
 
-_ROLLBACK = Expectation(detect=("nonfinite",), recover=("rollback",), compare="skip")
-_RESTART = Expectation(detect=("restart",), recover=("restart",))
-_SLOW = Expectation(detect=("straggler",), degraded=True)
-DRILLS = {
-    d.name: d
-    for d in [
-        Drill("nan", ("nan@step={S},rank={R},steps={K}",), _ROLLBACK),
-        Drill("inf_grad", ("inf@step={S},rank={R},steps={K},into=grad",), _ROLLBACK),
-        Drill("nan_param", ("nan@step={S},rank={R},into=param",), _ROLLBACK),
-        Drill("spike", ("spike@step={S},steps=5",), Expectation(detect=("spike",), recover=("rollback",), compare="skip")),
-        Drill("lr_surge", ("spike@step={S},steps=3,lr=100,data=0",), Expectation(detect=("spike",), recover=("rollback",), compare="skip")),
-        Drill("data_corrupt", ("data_corrupt@step={S}",), Expectation(detect=("bad_batch",), compare="skip")),
-        Drill("oom", ("oom@step={S},rank={R},rows={ROWS}",), Expectation(detect=("oom",), rtol=1e-5)),
-        Drill("hang", ("hang@step={S},rank={R}",), Expectation(detect=("hang",), recover=("restart",))),
-        Drill("deadlock", ("deadlock@step={S},rank={R}",), Expectation(detect=("hang",), recover=("restart",))),
-        Drill("crash", ("crash@step={S},rank={R}",), _RESTART),
-        Drill("segfault", ("segfault@step={S},rank={R}",), _RESTART),
-        # keel train itself resumes the run when its torchrun agent is killed, as a scheduler requeues a job.
-        Drill("node_loss", ("node_loss@step={S},rank={R}",), Expectation(detect=("node_loss",), recover=("node_loss",))),
-        # A corrupt checkpoint only matters when it is read: the crash right after it makes the restart read it
-        # (the crash waits for the flip: keel.chaos.faults sequences them).
-        Drill(
-            "ckpt_corrupt",
-            ("ckpt_corrupt@step={S}", "crash@step={S},rank={R}"),
-            Expectation(detect=("checkpoint_corrupt",), recover=("restart",)),
-        ),
-        Drill("straggler", ("straggler@step={S},rank={R},steps=1000,ms={MS}",), _SLOW, min_stage_ranks=2),
-        Drill("late_collective", ("late_collective@step={S},rank={R},steps=1000,ms={MS}",), _SLOW, min_stage_ranks=2),
-    ]
-}
+def drill_of(name: str, fault: str, step: int | str = "{S}") -> Drill:
+    """The drill of one fault (a template, or a spec at `step`) and of what its kind says must follow it,
+    judged as its kind says (keel.chaos.kinds)."""
+    kind = KINDS[fault.partition("@")[0]]
+    then = (kind.then.format(S=step, R="{R}"),) if kind.then else ()
+    return Drill(name, (fault, *then), kind.expect)
+
+
+DRILLS = {name: drill_of(name, template) for kind in KINDS.values() for name, template in kind.drills.items()}
 SUITES = {"standard": ["nan", "spike", "oom", "hang", "crash", "ckpt_corrupt", "straggler", "late_collective"], "full": list(DRILLS)}
-# What a fault given as a spec (--faults "hang@step=30,rank=1") must cause: the same as its kind's drill.
-_BY_KIND = {kind: {"inf": "nan"}.get(kind, kind) for kind in KINDS}
-assert set(_BY_KIND.values()) <= set(DRILLS), "every fault kind needs a drill"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,15 +149,11 @@ def select_drills(suite: str, faults: str | None, nonfinite_limit: int) -> list[
                 fault = parse_fault(item)
             except ValueError as e:
                 raise ConfigError(f"--faults: {e}") from None
-            base = DRILLS[_BY_KIND[fault.kind]]
-            expect = base.expect
-            if fault.kind in ("nan", "inf") and fault.into != "param" and fault.steps < nonfinite_limit:
+            drill = drill_of(str(fault), str(fault), fault.step)
+            if EventKind.NONFINITE in drill.expect.detect and fault.into != "param" and fault.steps < nonfinite_limit:
                 # Too few to roll back: the guard skips the steps, which changes the trajectory by design.
-                expect = Expectation(detect=("nonfinite",), compare="none")
-            specs = (str(fault),)
-            if fault.kind == "ckpt_corrupt":  # as in its drill: only a restart right after it reads the damaged checkpoint
-                specs += (f"crash@step={fault.step},rank={{R}}",)
-            drills.append(Drill(str(fault), specs, expect, base.min_stage_ranks))
+                drill = replace(drill, expect=Expectation(detect=(EventKind.NONFINITE,), compare="none"))
+            drills.append(drill)
         elif item in DRILLS:
             drills.append(DRILLS[item])
         else:
@@ -276,9 +249,9 @@ def expand(drill: Drill, setup: DrillSetup, step_time_s: float) -> list[str]:
 def applicable(drill: Drill, cfg: JobConfig) -> str | None:
     """Why a drill cannot run at this layout, or None."""
     stage_ranks = cfg.parallel.dp * cfg.parallel.tp
-    if stage_ranks < drill.min_stage_ranks:
+    if stage_ranks < drill.expect.min_stage_ranks:
         return (
-            f"needs {drill.min_stage_ranks} ranks per pipeline stage to compare a slow rank with its peers; "
+            f"needs {drill.expect.min_stage_ranks} ranks per pipeline stage to compare a slow rank with its peers; "
             f"this layout has {stage_ranks} (dp*tp)"
         )
     return None

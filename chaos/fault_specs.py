@@ -1,10 +1,10 @@
-"""Fault specs: the faults there are, how one is written, and random fault plans. No torch.
+"""Fault specs: how a fault is written, and random fault plans. No torch.
 
-A fault is written KIND@step=S[,rank=R][,steps=K][,FIELD=VALUE...] (see KINDS and FIELDS), on the
-command line (`--fault nan@step=40,rank=1`), in the config (`chaos.faults`), drawn at random with a
-mean time between faults (`chaos.mtbf_steps`), or requested while the run goes (`keel inject`, which
-leaves a request in RUN_DIR/control/faults/). Rank defaults to every rank. The launcher parses every
-spec before any worker starts, without importing torch; keel.chaos.faults injects them.
+A fault is written KIND@step=S[,rank=R][,steps=K][,FIELD=VALUE...] (the kinds are keel.chaos.kinds.KINDS,
+the fields FIELDS), on the command line (`--fault nan@step=40,rank=1`), in the config (`chaos.faults`),
+drawn at random with a mean time between faults (`chaos.mtbf_steps`), or requested while the run goes
+(`keel inject`, which leaves a request in RUN_DIR/control/faults/). Rank defaults to every rank. The
+launcher parses every spec before any worker starts, without importing torch; keel.chaos.faults injects them.
 """
 
 from __future__ import annotations
@@ -14,58 +14,9 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from keel.chaos.kinds import KINDS
 from keel.monitor.detectors import SpikeConfig
 
-
-@dataclass(frozen=True)
-class Kind:
-    """A kind of fault: what it does, the fields it takes besides step and steps, and how it behaves."""
-
-    does: str
-    takes: tuple[str, ...] = ()
-    # The process ends (a restart follows): it acts only after its step's ckpt_corrupt has, so the restart
-    # reads the damaged checkpoint (keel.chaos.faults sequences them).
-    ends_process: bool = False
-    # A property of a machine or of the data, not an event: it acts at every run of its steps (no fire-once marker).
-    persistent: bool = False
-
-
-KINDS = {
-    "nan": Kind("NaN into the loss, a gradient or a parameter (into=loss|grad|param) at steps S..S+K-1", ("rank", "into")),
-    "inf": Kind("Inf into the loss, a gradient or a parameter (into=loss|grad|param) at steps S..S+K-1", ("rank", "into")),
-    "spike": Kind(
-        "a real loss spike: the batches of steps S..S+K-1 replaced by random bytes (data=1) and/or the LR times lr=F", ("lr", "data")
-    ),
-    "data_corrupt": Kind("token ids out of the vocabulary in the batches of steps S..S+K-1 (a damaged data file)", persistent=True),
-    "oom": Kind(
-        "torch.OutOfMemoryError at the start of step S, and again each time it runs, while a micro-batch holds more than "
-        "`rows` sequences (the most the rank's memory holds; real=1 on a GPU: a real over-allocation)",
-        ("rank", "rows", "real"),
-        persistent=True,
-    ),
-    "hang": Kind(
-        "the rank sleeps `seconds` before the step's first collective, while the others wait inside it",
-        ("rank", "seconds"),
-        ends_process=True,
-    ),
-    "deadlock": Kind(
-        "a thread of the rank holds the GIL for `seconds`: no Python thread of the process runs", ("rank", "seconds"), ends_process=True
-    ),
-    "crash": Kind("the rank is killed (SIGKILL) at the start of step S", ("rank",), ends_process=True),
-    "segfault": Kind("the rank reads address 0 (SIGSEGV) at the start of step S", ("rank",), ends_process=True),
-    "node_loss": Kind(
-        "the rank's node dies at the start of step S: its torchrun agent and every worker under it are killed (SIGKILL)",
-        ("rank",),
-        ends_process=True,
-    ),
-    "straggler": Kind("the rank sleeps `ms` at the start of each of steps S..S+K-1", ("rank", "ms"), persistent=True),
-    "late_collective": Kind(
-        "the rank waits `ms` before each collective the trainer issues, at steps S..S+K-1", ("rank", "ms"), persistent=True
-    ),
-    "ckpt_corrupt": Kind("bytes flipped in a shard of the newest complete checkpoint, at the start of step S (by rank 0)"),
-}
-ENDS_PROCESS = tuple(k for k, v in KINDS.items() if v.ends_process)
-PERSISTENT = tuple(k for k, v in KINDS.items() if v.persistent)
 TARGETS = ("loss", "grad", "param")
 
 
@@ -170,7 +121,5 @@ def _random_fault(kind: str, step: int, rank: int, rng: np.random.Generator, spi
         # judges nothing before its warm-up and its first baseline, so a spike drawn earlier starts there.
         first_judged = max(spike.warmup_steps, spike.min_baseline + 1)
         return [Fault(kind, max(step, first_judged), steps=spike.persistence)]
-    if kind == "ckpt_corrupt":
-        # A crash right after it (sequenced, not timed: keel.chaos.faults), so the restart loads the damaged checkpoint.
-        return [Fault(kind, step), Fault("crash", step, rank)]
-    return [Fault(kind, step, rank if "rank" in KINDS[kind].takes else None)]
+    then = [parse_fault(KINDS[kind].then.format(S=step, R=rank))] if KINDS[kind].then else []  # a ckpt_corrupt's crash
+    return [Fault(kind, step, rank if "rank" in KINDS[kind].takes else None), *then]

@@ -1,9 +1,11 @@
 """Fault injectors: the hooks the trainer calls to put a drill's (or a person's) faults into a run.
 
-The faults and how they are written are in keel.chaos.fault_specs. A plan also takes the requests
-`keel inject` leaves in RUN_DIR/control/faults/ while the run goes. Injectors act only through
-the hooks the trainer offers (the loss, the gradients, the parameters, the batch, the LR, the step
-start, the trainer's own collectives); they patch nothing in torch.
+The kinds of fault are declared in keel.chaos.kinds, and how a fault is written in keel.chaos.fault_specs.
+A FaultPlan is what the trainer calls, at the hook points it offers (the LR, the step start, the loss,
+the gradients, the trainer's own collectives, the global batch); at each, the plan calls the hook that
+each due fault's kind names for that point: the functions at the end of this module for Keel's own
+kinds. Hooks patch nothing in torch. A plan also takes the requests `keel inject` leaves in
+RUN_DIR/control/faults/ while the run goes.
 
 A fault fires once at each of its steps: a step that runs again after a rollback or a restart is
 clean (a real transient fault does not come back either). The firing rank leaves a marker in
@@ -25,19 +27,23 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import json
+import math
 import os
 import re
 import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from keel.chaos.fault_specs import ENDS_PROCESS, PERSISTENT, Fault, parse_fault
+from keel.chaos.fault_specs import Fault, parse_fault
+from keel.chaos.kinds import KINDS
 from keel.monitor.run_dir import CHAOS_DIR, FAULT_REQUEST_DIR, INJECTED_FILE, MANIFEST, list_checkpoints
 
 NONFINITE = {"nan": float("nan"), "inf": float("inf")}
@@ -47,8 +53,19 @@ NONFINITE = {"nan": float("nan"), "inf": float("inf")}
 _SEQUENCE_WAIT_S = 120.0
 
 
+@dataclass(frozen=True)
+class StepStart:
+    """What a hook at the step start gets: this rank's model parts, the step's micro-batch in sequences (what
+    an oom fault's memory must hold), and a wait for this rank's save in flight."""
+
+    parts: list[torch.nn.Module]
+    microbatch_rows: int
+    settle_checkpoints: Callable[[], None]
+
+
 class FaultPlan:
-    """The faults of one run, as seen by one rank. The trainer calls `begin_step` and the hooks."""
+    """The faults of one run, as seen by one rank. The trainer calls `begin_step` and the hook points; at
+    each, the plan calls the hook that each due fault's kind names for it (keel.chaos.kinds)."""
 
     def __init__(self, faults: list[Fault], rank: int, run_dir: str | Path | None = None):
         self.faults = list(faults)
@@ -86,23 +103,30 @@ class FaultPlan:
         name = re.sub(r"[^A-Za-z0-9_.=,@-]", "_", f"fired-{fault}-at{self.step}-rank{rank}")
         return self.run_dir / CHAOS_DIR / name if self.run_dir else None
 
-    def _due(self, *kinds: str) -> list[Fault]:
-        """Faults of these kinds that hit this rank at this step and have not fired at it yet."""
+    def _due(self, point: str) -> list[Fault]:
+        """Faults whose kind has a hook at `point` that hit this rank at this step and have not fired at it
+        yet, in the order of KINDS (the kinds that end the step or the process last)."""
         due = []
         for f in self.faults:
-            if f.kind in kinds and f.hits(self.step, self.rank) and (f, self.step) not in self._spent:
+            kind = KINDS[f.kind]
+            if point in kind.hooks and f.hits(self.step, self.rank) and (f, self.step) not in self._spent:
                 # A loss fault fires on every micro-batch of its step: its own marker does not stop it.
                 marker = self._marker(f)
-                if f.kind in PERSISTENT or f in self._marked_now or marker is None or not marker.exists():
+                if kind.persistent or f in self._marked_now or marker is None or not marker.exists():
                     due.append(f)
-        return due
+        order = list(KINDS)
+        return sorted(due, key=lambda f: order.index(f.kind))
 
-    def _fire(self, fault: Fault, detail: str = "", marker: bool = True) -> None:
-        """Records a fault as it acts: the fire-once marker (not for poisoned batches), the injection
-        log, this step's list."""
+    def fire(self, fault: Fault, detail: str = "", marker: bool = True) -> None:
+        """Records a fault as its hook makes it act: the fire-once marker (not for poisoned batches), the
+        injection log, this step's list. A fault that ends the process is recorded, and so acts, only once
+        its step's ckpt_corrupt has fired on rank 0, and is spent at once."""
+        if KINDS[fault.kind].ends_process:
+            detail = "; ".join(filter(None, [self._after_corruption(), detail]))
+            self.spend(fault)
         if fault not in self.fired:
             self.fired.append(fault)
-        if marker and fault.kind not in PERSISTENT and self.run_dir is not None and fault not in self._marked_now:
+        if marker and not KINDS[fault.kind].persistent and self.run_dir is not None and fault not in self._marked_now:
             self._marked_now.add(fault)
             (self.run_dir / CHAOS_DIR).mkdir(parents=True, exist_ok=True)
             self._marker(fault).write_text(f"{time.time()}\n")
@@ -119,70 +143,10 @@ class FaultPlan:
             f.flush()
             os.fsync(f.fileno())  # written before a crash or segfault takes the process
 
-    def _spend(self, fault: Fault) -> None:
+    def spend(self, fault: Fault) -> None:
+        """Done with at this step: it does not act again if its hook point runs again in the step (the step
+        start does, after an out-of-memory error). A fault that fired is spent when the step ends."""
         self._spent.add((fault, self.step))
-
-    # -- hooks -----------------------------------------------------------------------------------
-    def lr_scale(self) -> float:
-        """Hook on the step's LR: a spike with lr=F multiplies it by F."""
-        scale = 1.0
-        for fault in self._due("spike"):
-            if fault.lr > 0:
-                scale *= fault.lr
-                self._fire(fault, f"lr x{fault.lr:g}")
-        return scale
-
-    def at_step_start(
-        self, parts: list[torch.nn.Module], microbatch_rows: int, settle_checkpoints: Callable[[], None] = lambda: None
-    ) -> None:
-        """Hook at the start of a step, before its first collective: the faults that hit the process,
-        the parameters and the checkpoint folder. `microbatch_rows` is the step's micro-batch in
-        sequences (what an oom fault's memory must hold). `settle_checkpoints` waits for this rank's save
-        in flight: ckpt_corrupt damages the newest checkpoint as it ends up on disk, not the one before it
-        (a background save finishing after the flip would hide the fault from the next load)."""
-        for fault in self._due("straggler"):
-            self._fire(fault)
-            time.sleep(fault.ms / 1000)
-        for fault in self._due("nan", "inf"):
-            if fault.into == "param":
-                self._fire(fault)
-                self._spend(fault)
-                _scale_first_tensor([p for part in parts for p in part.parameters()], NONFINITE[fault.kind])
-        for fault in self._due("ckpt_corrupt"):
-            if self.rank == 0:
-                settle_checkpoints()
-                # Its marker, written once the bytes are flipped, is what this step's killing faults wait for.
-                self._fire(fault, _flip_newest_checkpoint(self.run_dir))
-            self._spend(fault)
-        for fault in self._due("oom", *ENDS_PROCESS):
-            if fault.kind != "oom":
-                self._end_process(fault)
-            elif microbatch_rows > fault.rows:  # else the micro-batch fits the fault's memory
-                # Not spent: the step runs again after an OOM, and must run out again if it still does not fit.
-                self._fire(fault, f"micro-batch of {microbatch_rows} sequences")
-                if fault.real:
-                    torch.empty(2 * torch.cuda.get_device_properties(0).total_memory, dtype=torch.uint8, device="cuda")
-                raise torch.OutOfMemoryError(f"injected by chaos fault {fault}")
-
-    def _end_process(self, fault: Fault) -> None:
-        """A fault that ends the process, or stalls it until the watchdog does. Recorded before it acts."""
-        notes = [self._after_corruption()]
-        if fault.kind == "node_loss":
-            agent, found_by = _node_agent()
-            tree = [agent, *_descendants(agent)]
-            notes.append(f"agent {agent} ({found_by}) and the {len(tree) - 1} processes under it")
-        self._fire(fault, "; ".join(filter(None, notes)))
-        self._spend(fault)
-        if fault.kind == "crash":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif fault.kind == "segfault":
-            ctypes.string_at(0)
-        elif fault.kind == "hang":
-            time.sleep(fault.seconds)  # the other ranks wait inside their next collective
-        elif fault.kind == "deadlock":
-            _hold_gil(fault.seconds)
-        elif fault.kind == "node_loss":
-            _kill_all(tree)
 
     def _after_corruption(self) -> str:
         """Waits until this step's ckpt_corrupt has fired on rank 0 (its marker is written after the flip):
@@ -197,49 +161,167 @@ class FaultPlan:
             time.sleep(0.05)
         return ""
 
+    # -- hook points -----------------------------------------------------------------------------
+    def lr_scale(self) -> float:
+        """Hook on the step's LR, which is multiplied by what each hook returns: hook(plan, fault) -> factor."""
+        return math.prod((_hook(f, "lr_scale")(self, f) for f in self._due("lr_scale")), start=1.0)
+
+    def at_step_start(
+        self, parts: list[torch.nn.Module], microbatch_rows: int, settle_checkpoints: Callable[[], None] = lambda: None
+    ) -> None:
+        """Hook at the start of a step, before its first collective, for the faults that hit the process,
+        the parameters and the checkpoint folder: hook(plan, fault, StepStart). `settle_checkpoints` waits
+        for this rank's save in flight: ckpt_corrupt damages the newest checkpoint as it ends up on disk,
+        not the one before it (a background save finishing after the flip would hide the fault from the next load)."""
+        start = StepStart(parts, microbatch_rows, settle_checkpoints)
+        for fault in self._due("at_step_start"):
+            _hook(fault, "at_step_start")(self, fault, start)
+
     def corrupt_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Hook on each micro-batch's loss before backward: nan/inf into=loss multiplies it in (every
-        micro-batch of the step; the fault is spent when the step ends)."""
-        for fault in self._due("nan", "inf"):
-            if fault.into == "loss":
-                loss = loss * NONFINITE[fault.kind]
-                self._fire(fault)
+        """Hook on each micro-batch's loss before backward: hook(plan, fault, loss) -> loss. A fault here
+        acts on every micro-batch of its step and is spent when the step ends."""
+        for fault in self._due("corrupt_loss"):
+            loss = _hook(fault, "corrupt_loss")(self, fault, loss)
         return loss
 
     def corrupt_grads(self, parts: list[torch.nn.Module]) -> None:
-        """Hook after backward, before the gradient norm: nan/inf into=grad."""
-        for fault in self._due("nan", "inf"):
-            if fault.into == "grad":
-                self._fire(fault)
-                self._spend(fault)
-                _scale_first_tensor([p.grad for part in parts for p in part.parameters() if p.grad is not None], NONFINITE[fault.kind])
+        """Hook after backward, before the gradient norm: hook(plan, fault, parts)."""
+        for fault in self._due("corrupt_grads"):
+            _hook(fault, "corrupt_grads")(self, fault, parts)
 
     def before_collective(self) -> None:
         """Hook before each collective the trainer issues itself (gradient norm, replicated gradients,
-        step metrics): late_collective delays it. Collectives inside FSDP and the pipeline schedule have no
-        hook point without patching torch, so they run at full speed."""
-        for fault in self._due("late_collective"):
-            self._fire(fault)
-            time.sleep(fault.ms / 1000)
+        step metrics): hook(plan, fault). Collectives inside FSDP and the pipeline schedule have no hook
+        point without patching torch, so they run at full speed."""
+        for fault in self._due("before_collective"):
+            _hook(fault, "before_collective")(self, fault)
 
     def end_step(self) -> None:
         for fault in self.fired:
-            self._spend(fault)
+            self.spend(fault)
 
     def corrupt_batch(self, batch_index: int, window: np.ndarray, vocab_size: int) -> np.ndarray:
-        """Hook on each global batch read, [batch, seq_len + 1] token ids, the same on every rank.
-        `batch_index` counts from 0, so step S of a run that skipped nothing reads batch S-1."""
+        """Hook on each global batch read, [batch, seq_len + 1] token ids, the same on every rank:
+        hook(plan, fault, batch_index, window, vocab_size) -> window, for each fault whose steps read the
+        batch, on every rank and at every read (poisoned data stays poisoned). `batch_index` counts from 0,
+        so step S of a run that skipped nothing reads batch S-1."""
         for fault in self.faults:
-            if fault.step - 1 <= batch_index < fault.step - 1 + fault.steps:
-                if fault.kind == "spike" and fault.data:
-                    rng = np.random.default_rng([fault.step, batch_index])
-                    window = rng.integers(0, min(256, vocab_size), size=window.shape)
-                    self._fire(fault, f"batch {batch_index} replaced by random bytes", marker=False)
-                elif fault.kind == "data_corrupt":
-                    window = window.copy()
-                    window[:, window.shape[1] // 2] = vocab_size + 7  # what a damaged file or a wrong tokenizer gives
-                    self._fire(fault, f"batch {batch_index} holds token ids >= {vocab_size}", marker=False)
+            if "corrupt_batch" in KINDS[fault.kind].hooks and fault.step - 1 <= batch_index < fault.step - 1 + fault.steps:
+                window = _hook(fault, "corrupt_batch")(self, fault, batch_index, window, vocab_size)
         return window
+
+
+def _hook(fault: Fault, point: str) -> Callable:
+    """The function the fault's kind names for this hook point, from the kind's module (imported here, in
+    the workers: keel.chaos.kinds imports no hook, and so no torch)."""
+    kind = KINDS[fault.kind]
+    return getattr(importlib.import_module(kind.module), kind.hooks[point])
+
+
+# -- the kinds' hooks, named in keel.chaos.kinds --------------------------------------------------
+def nonfinite_param(plan: FaultPlan, fault: Fault, start: StepStart) -> None:
+    """nan, inf into=param: into this rank's first parameter, once (it stays until a rollback restores it)."""
+    if fault.into == "param":
+        plan.fire(fault)
+        plan.spend(fault)
+        _scale_first_tensor([p for part in start.parts for p in part.parameters()], NONFINITE[fault.kind])
+
+
+def nonfinite_loss(plan: FaultPlan, fault: Fault, loss: torch.Tensor) -> torch.Tensor:
+    """nan, inf into=loss: multiplied into the loss."""
+    if fault.into != "loss":
+        return loss
+    plan.fire(fault)
+    return loss * NONFINITE[fault.kind]
+
+
+def nonfinite_grads(plan: FaultPlan, fault: Fault, parts: list[torch.nn.Module]) -> None:
+    """nan, inf into=grad: into this rank's first gradient."""
+    if fault.into == "grad":
+        plan.fire(fault)
+        plan.spend(fault)
+        _scale_first_tensor([p.grad for part in parts for p in part.parameters() if p.grad is not None], NONFINITE[fault.kind])
+
+
+def lr_surge(plan: FaultPlan, fault: Fault) -> float:
+    """spike with lr=F: the LR times F (a transient event: it fires once)."""
+    if fault.lr <= 0:
+        return 1.0
+    plan.fire(fault, f"lr x{fault.lr:g}")
+    return fault.lr
+
+
+def random_bytes(plan: FaultPlan, fault: Fault, batch_index: int, window: np.ndarray, vocab_size: int) -> np.ndarray:
+    """spike with data=1: the batch replaced by random bytes, the same ones at every read."""
+    if not fault.data:
+        return window
+    plan.fire(fault, f"batch {batch_index} replaced by random bytes", marker=False)
+    return np.random.default_rng([fault.step, batch_index]).integers(0, min(256, vocab_size), size=window.shape)
+
+
+def data_corrupt(plan: FaultPlan, fault: Fault, batch_index: int, window: np.ndarray, vocab_size: int) -> np.ndarray:
+    window = window.copy()
+    window[:, window.shape[1] // 2] = vocab_size + 7  # what a damaged file or a wrong tokenizer gives
+    plan.fire(fault, f"batch {batch_index} holds token ids >= {vocab_size}", marker=False)
+    return window
+
+
+def straggler(plan: FaultPlan, fault: Fault, start: StepStart) -> None:
+    plan.fire(fault)
+    time.sleep(fault.ms / 1000)
+
+
+def late_collective(plan: FaultPlan, fault: Fault) -> None:
+    plan.fire(fault)
+    time.sleep(fault.ms / 1000)
+
+
+def ckpt_corrupt(plan: FaultPlan, fault: Fault, start: StepStart) -> None:
+    """Rank 0 waits for its save in flight, then damages the newest checkpoint. Its marker, written once the
+    bytes are flipped, is what this step's faults that end the process wait for."""
+    if plan.rank == 0:
+        start.settle_checkpoints()
+        plan.fire(fault, _flip_newest_checkpoint(plan.run_dir))
+    plan.spend(fault)
+
+
+def oom(plan: FaultPlan, fault: Fault, start: StepStart) -> None:
+    """A memory that holds micro-batches of `rows` sequences. Not spent: the step runs again after an OOM,
+    and must run out again if it still does not fit."""
+    if start.microbatch_rows <= fault.rows:
+        return
+    plan.fire(fault, f"micro-batch of {start.microbatch_rows} sequences")
+    if fault.real:
+        torch.empty(2 * torch.cuda.get_device_properties(0).total_memory, dtype=torch.uint8, device="cuda")
+    raise torch.OutOfMemoryError(f"injected by chaos fault {fault}")
+
+
+def hang(plan: FaultPlan, fault: Fault, start: StepStart) -> None:
+    plan.fire(fault)
+    time.sleep(fault.seconds)  # the other ranks wait inside their next collective, until the watchdog ends it
+
+
+def deadlock(plan: FaultPlan, fault: Fault, start: StepStart) -> None:
+    plan.fire(fault)
+    _hold_gil(fault.seconds)
+
+
+def crash(plan: FaultPlan, fault: Fault, start: StepStart) -> None:
+    plan.fire(fault)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def segfault(plan: FaultPlan, fault: Fault, start: StepStart) -> None:
+    plan.fire(fault)
+    ctypes.string_at(0)
+
+
+def node_loss(plan: FaultPlan, fault: Fault, start: StepStart) -> None:
+    """What a dead machine takes with it: the node's torchrun agent and every process under it."""
+    agent, found_by = _node_agent()
+    tree = [agent, *_descendants(agent)]
+    plan.fire(fault, f"agent {agent} ({found_by}) and the {len(tree) - 1} processes under it")
+    _kill_all(tree)
 
 
 def _scale_first_tensor(tensors: list[torch.Tensor], value: float) -> None:

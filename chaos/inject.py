@@ -16,7 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from keel.chaos.fault_specs import KINDS, parse_fault
+from keel.chaos.fault_specs import parse_fault
+from keel.chaos.kinds import KINDS
+from keel.monitor.event_kinds import EventKind
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
 from keel.monitor.run_dir import FAULT_REQUEST_DIR, STORE_FILE
 from keel.monitor.store import read_events, read_meta, read_steps
@@ -44,8 +46,8 @@ def request(run_dir: str | Path, fault: str, rank: int | None = None, step: int 
         events, steps, meta = read_events(run_dir), read_steps(run_dir), read_meta(run_dir)
     except sqlite3.Error as e:
         raise ValueError(f"{run_dir}: cannot read the run store ({e})") from None
-    endings = events.kind[events.kind.isin(["run_started", "run_finished", "run_stopped"])]
-    if len(endings) and endings.iloc[-1] != "run_started":
+    endings = events.kind[events.kind.isin([EventKind.RUN_STARTED, EventKind.RUN_FINISHED, EventKind.RUN_STOPPED])]
+    if len(endings) and endings.iloc[-1] != EventKind.RUN_STARTED:
         raise ValueError(f"{run_dir}: the run has ended; inject into a running job, or use `keel train --fault` for a new one")
     world = int(meta.get("world_size", 1))
     if rank is not None and not 0 <= rank < world:

@@ -16,22 +16,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from keel.chaos.kinds import Expectation
+from keel.monitor.event_kinds import EventKind
 from keel.monitor.exits import EXIT_MEANINGS
 from keel.monitor.run_dir import CHAOS_DIR, INJECTED_FILE, STORE_FILE
 from keel.monitor.store import read_events, read_meta, read_steps
-
-
-@dataclass
-class Expectation:
-    """What a drill's fault must cause. compare: "identical" (the fault must not change the
-    arithmetic), "skip" (equal to a reference that skipped the batches the recovery skipped), or
-    "none" (the trajectory legitimately differs, e.g. one skipped update; the loss is shown, not judged)."""
-
-    detect: tuple[str, ...]  # event kinds that count as detection
-    recover: tuple[str, ...] = ()  # event kinds of the recovery action; () when finishing is the recovery
-    compare: str = "identical"
-    rtol: float = 0.0  # 0: bit-identical. OOM recovery changes the micro-batch split, so the sums differ in rounding.
-    degraded: bool = False  # a slow rank: nothing to recover from, the run must only keep going (and be named)
 
 
 @dataclass
@@ -72,8 +61,8 @@ def injections(run_dir: Path) -> list[dict]:
 
 def skipped_batches(events: pd.DataFrame) -> list[tuple[int, int]]:
     """The batch ranges the run's recoveries skipped: rollbacks' skip_data and passed-over bad batches."""
-    ranges = {(int(d["first_batch"]), int(d["end_batch"])) for d in events.loc[events.kind == "skip_data", "data"]}
-    ranges |= {(b, b + 1) for d in events.loc[events.kind == "bad_batch", "data"] for b in d["batches"]}
+    ranges = {(int(d["first_batch"]), int(d["end_batch"])) for d in events.loc[events.kind == EventKind.SKIP_DATA, "data"]}
+    ranges |= {(b, b + 1) for d in events.loc[events.kind == EventKind.BAD_BATCH, "data"] for b in d["batches"]}
     return sorted(ranges)
 
 
@@ -83,7 +72,7 @@ def _detection(events: pd.DataFrame, kinds: tuple[str, ...], since: float, rank:
     An event that names a rank (a straggler) counts only when it names the faulty one."""
     found = []
     for _, e in events[events.kind.isin(kinds)].iterrows():
-        if rank is not None and e.kind == "straggler" and e["rank"] != rank:
+        if rank is not None and e.kind == EventKind.STRAGGLER and e["rank"] != rank:
             continue
         at = float(e.data.get("detected_at", e.time)) if isinstance(e.data, dict) else float(e.time)
         if at >= since:
@@ -138,7 +127,7 @@ def judge(
     r.fault_time = min(i["time"] for i in fired)
     r.batches_skipped = [list(x) for x in skipped_batches(events)]
     r.steps_lost = int(len(all_steps) - len(kept) + kept.skipped.sum())
-    starts = events[events.kind == "run_started"]
+    starts = events[events.kind == EventKind.RUN_STARTED]
     if len(starts) and len(events):
         r.wall_s = float(events.time.max() - starts.time.min())
     goodput = read_meta(run_dir).get("goodput")
@@ -170,10 +159,10 @@ def _judge_detection(r: DrillResult, events: pd.DataFrame, expect: Expectation, 
 
 def _judge_recovery(r: DrillResult, events: pd.DataFrame, kept: pd.DataFrame, expect: Expectation, exit_code: int, hint: str) -> None:
     """Whether the run went on to finish after the fault, and when it was back to training."""
-    finished = exit_code == 0 and (events.kind == "run_finished").any()
+    finished = exit_code == 0 and (events.kind == EventKind.RUN_FINISHED).any()
     action = _detection(events, expect.recover, r.fault_time - 1e-3) if expect.recover else None
     if not finished:
-        stopped = events[events.kind == "run_stopped"]
+        stopped = events[events.kind == EventKind.RUN_STOPPED]
         why = stopped.iloc[-1].message if len(stopped) else EXIT_MEANINGS.get(exit_code, "unknown")
         r.reasons.append(f"not recovered: the run ended with exit code {exit_code} ({why})")
     elif expect.recover and action is None:

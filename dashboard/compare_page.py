@@ -11,7 +11,7 @@ import streamlit as st
 
 from keel.dashboard.charts import CATEGORY10, SOLID, draw, line_chart
 from keel.dashboard.runs_page import REFRESH_S, run_folders
-from keel.dashboard.series import METRICS, compare_series
+from keel.dashboard.series import chart_titles, compare_series
 from keel.monitor.runs import find_runs
 from keel.monitor.store import read_steps
 
@@ -29,7 +29,8 @@ def render_compare() -> None:
     if unknown:
         st.error(f"No run named {', '.join(repr(r) for r in unknown)} here; choose among the runs found.")
     chosen = st.multiselect("runs", sorted(runs), default=[r for r in asked if r in runs] or sorted(runs)[:2], key="compare-runs")
-    metric = _choice("metric", list(METRICS), METRICS)
+    titles = chart_titles()
+    metric = _choice("metric", list(titles), titles)
     align = _choice("by", list(ALIGN), ALIGN, label="align by")
     st.query_params["run"] = chosen
     if chosen:
@@ -56,7 +57,7 @@ def _live_compare(runs: dict[str, Path], metric: str, align: str) -> None:
     series = compare_series(kept, metric, align)
     styles = {name: {"colour": CATEGORY10[i % len(CATEGORY10)], "dash": SOLID} for i, name in enumerate(runs)}  # distinct hues
     draw(
-        [line_chart(series, "x", "run", styles, f"{METRICS[metric]} by {ALIGN[align]}", 420, x_title=ALIGN[align], legend=True)],
+        [line_chart(series, "x", "run", styles, f"{chart_titles()[metric]} by {ALIGN[align]}", 420, x_title=ALIGN[align], legend=True)],
         key="compare-chart",
     )
     st.caption(f"{len(kept)} runs, effective trajectories (what rollbacks and restarts kept); refreshed every {REFRESH_S:g} s.")

@@ -20,8 +20,8 @@ from keel.dashboard.run_data import RunData, RunReader
 from keel.dashboard.runs_page import REFRESH_S, run_folders
 from keel.dashboard.series import (
     MARKER_COLOURS,
-    METRICS,
     ROUTINE_MARKERS,
+    chart_titles,
     event_markers,
     metric_series,
     slowest_rank_counts,
@@ -140,14 +140,15 @@ def _metric_charts(rows: pd.DataFrame, markers: pd.DataFrame, steps: tuple[int, 
                f"or restarts, {len(shown)} events marked; refreshed every {REFRESH_S:g} s.")  # fmt: skip
     # The loss at full width with the legends and every event; the other metrics below, small, sharing its
     # colours, with every event but the routine ones.
+    titles = chart_titles()
     loss = metric_series(rows, "loss", grid=steps)
-    draw([metric_chart(loss, shown, METRICS["loss"], steps, MARKER_COLOURS, 300, legend=True)], key="chart-loss")
+    draw([metric_chart(loss, shown, titles["loss"], steps, MARKER_COLOURS, 300, legend=True)], key="chart-loss")
     unusual = shown[~shown.kind.isin(ROUTINE_MARKERS)]
     small = [
         metric_chart(
             metric_series(rows, metric, grid=steps, buckets=SMALL_CHART_BUCKETS), unusual, title, steps, MARKER_COLOURS, 150, legend=False
         )
-        for metric, title in METRICS.items()
+        for metric, title in titles.items()
         if metric != "loss"
     ]
     draw(small, key="chart-grid", columns=3)

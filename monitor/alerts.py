@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from keel.monitor.event_kinds import EventKind
 from keel.monitor.sinks import Event, Publisher
 from keel.monitor.store import RunStore
 
@@ -37,7 +38,7 @@ class Alert:
             "step": self.step,
             "attempt": self.attempt,
             "rank": self.rank,
-            "kind": "alert",
+            "kind": EventKind.ALERT,
             "severity": self.severity,
             "message": self.message,
             "data": {"alert": self.name, "run_id": self.run_id, "values": dict(self.values)},
@@ -88,7 +89,7 @@ class AlertRouter:
         event = alert.to_event()
         if self.store is not None:
             self.store.write_event(
-                "alert",
+                EventKind.ALERT,
                 alert.message,
                 severity=alert.severity,
                 step=alert.step,

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from keel.monitor.event_kinds import EventKind
 from keel.monitor.hashing import sha256_file
 from keel.monitor.run_dir import MANIFEST, checkpoint_name, list_checkpoints
 
@@ -43,7 +44,7 @@ def checkpoint_table(run_dir: str | Path, events: pd.DataFrame, verify_one=verif
     caller cache the hashing of large files."""
     import pandas as pd  # loaded already: `events` is a DataFrame
 
-    saved = events[events.kind == "checkpoint_saved"]
+    saved = events[events.kind == EventKind.CHECKPOINT_SAVED]
     on_disk = dict(list_checkpoints(run_dir))
     rows = {}
     for e in saved.itertuples():  # a step saved again by a later attempt replaces the earlier save

@@ -18,6 +18,7 @@ from typing import Any
 
 import pandas as pd
 
+from keel.monitor.event_kinds import EventKind
 from keel.monitor.store import abandoned_mask, read_events, read_steps
 
 CAUSES = ("recomputed", "skipped", "restart", "node_loss", "hang", "oom", "checkpoint", "other")
@@ -65,7 +66,7 @@ def _data(value: Any) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _event_values(events: pd.DataFrame, kind: str, key: str) -> list[float]:
+def _event_values(events: pd.DataFrame, kind: EventKind, key: str) -> list[float]:
     """The finite numbers events of `kind` carry under data[key]; events without one are left out."""
     if "kind" not in events or "data" not in events:
         return []
@@ -77,13 +78,13 @@ def _event_values(events: pd.DataFrame, kind: str, key: str) -> list[float]:
     return values
 
 
-def _duration_sum(events: pd.DataFrame, kind: str, key: str) -> float:
+def _duration_sum(events: pd.DataFrame, kind: EventKind, key: str) -> float:
     # A negative duration can only come from clocks disagreeing between processes or hosts; it counts as none.
     return sum(max(v, 0.0) for v in _event_values(events, kind, key))
 
 
 def _run_start(steps: pd.DataFrame, events: pd.DataFrame) -> float:
-    process_starts = _event_values(events, "run_started", "process_start")
+    process_starts = _event_values(events, EventKind.RUN_STARTED, "process_start")
     if process_starts:
         return min(process_starts)
     # Without a recorded process start, the run began no later than its first step started or first event.
@@ -118,8 +119,8 @@ def compute_goodput(steps: pd.DataFrame, events: pd.DataFrame, end_time: float |
     # A hang's stall lies inside another measured span, and is counted once, as the hang: in a restart's
     # down time when the watchdog's kill led to the restart (down time runs from the last step recorded
     # to the new process), otherwise in the step that stalled and then went on.
-    hang = _duration_sum(events, "hang", "stalled_s")
-    down = _duration_sum(events, "restart", "down_s")
+    hang = _duration_sum(events, EventKind.HANG, "stalled_s")
+    down = _duration_sum(events, EventKind.RESTART, "down_s")
     productive -= min(productive, hang - min(hang, down))
     oom = min(productive, _halved_microbatch_excess(steps, step_time, counted, events))
     productive -= oom
@@ -128,12 +129,13 @@ def compute_goodput(steps: pd.DataFrame, events: pd.DataFrame, end_time: float |
         "skipped": float(step_time[~abandoned & skipped].sum()),
         "restart": down - min(hang, down),
         # From the last step a vanished group recorded to the resumed one's start (node_loss.down_s).
-        "node_loss": _duration_sum(events, "node_loss", "down_s"),
+        "node_loss": _duration_sum(events, EventKind.NODE_LOSS, "down_s"),
         "hang": hang,
         "oom": oom,
         # A rollback's checkpoint load is also recorded by its checkpoint_loaded event, so rollback.load_s
         # is not added here.
-        "checkpoint": _duration_sum(events, "checkpoint_saved", "blocking_s") + _duration_sum(events, "checkpoint_loaded", "load_s"),
+        "checkpoint": _duration_sum(events, EventKind.CHECKPOINT_SAVED, "blocking_s")
+        + _duration_sum(events, EventKind.CHECKPOINT_LOADED, "load_s"),
     }
     # What no cause accounts for (start-up, logging, the last save). Clipped at 0 against rounding: the
     # spans above are disjoint, so productive + lost = wall.
@@ -150,7 +152,7 @@ def _halved_microbatch_excess(steps: pd.DataFrame, step_time: pd.Series, counted
     there is nothing to compare with: none."""
     if not {"kind", "data", "time"} <= set(events) or "time" not in steps or steps.empty:
         return 0.0
-    changes = events[events["kind"].isin(["oom", "oom_retry"])].sort_values("time")
+    changes = events[events["kind"].isin([EventKind.OOM, EventKind.OOM_RETRY])].sort_values("time")
     data = [_data(d) for d in changes["data"]]
     known = [isinstance(d.get("microbatches"), int) for d in data]
     changes, data = changes[known], [d for d, ok in zip(data, known) if ok]

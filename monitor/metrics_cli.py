@@ -5,21 +5,19 @@ from __future__ import annotations
 import argparse
 import sqlite3
 import sys
+from collections.abc import Callable
+from typing import Any
 
+from keel.monitor import metric_registry
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
 from keel.monitor.store import read_steps
 
-# Table columns and how each is shown; --csv writes every step column at full precision instead.
-_TABLE_COLUMNS = ["step", "attempt", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "comm_share", "step_time_s"]
-_TABLE_FORMATS = {
-    "loss": "{:.4g}".format,
-    "grad_norm": "{:.4g}".format,
-    "lr": "{:.3g}".format,
-    "tokens_per_s": "{:.0f}".format,
-    "mfu": "{:.3g}".format,
-    "comm_share": "{:.3f}".format,
-    "step_time_s": "{:.4g}".format,
-}
+
+def _table() -> tuple[list[str], dict[str, Callable[[Any], str]]]:
+    """The table's columns and how those not left to pandas are shown, from keel.monitor.metric_registry;
+    --csv writes every step column at full precision instead."""
+    shown = [m for m in metric_registry.STEP_METRICS if m.table is not None]
+    return [m.column for m in shown], {m.column: m.table.format for m in shown if m.table}
 
 
 def main(argv: list[str]) -> int:
@@ -46,5 +44,6 @@ def main(argv: list[str]) -> int:
         print(f"no steps recorded yet in {args.run_dir}")
     else:
         # "-" marks a value that was not recorded, such as comm_share on a step where it was not sampled.
-        print(steps[_TABLE_COLUMNS].to_string(index=False, formatters=_TABLE_FORMATS, na_rep="-"))
+        columns, formats = _table()
+        print(steps[columns].to_string(index=False, formatters=formats, na_rep="-"))
     return EXIT_OK

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, push
 from prometheus_client.metrics_core import Metric
 
 from keel.monitor import metrics
+from keel.monitor.event_kinds import EventKind
 from keel.monitor.sinks import Event, SinkError
 
 log = logging.getLogger("keel.monitor")
@@ -51,7 +52,7 @@ class PrometheusSink:
     def __init__(self, run_id: str, host: str = "127.0.0.1", port: int = 9400, pushgateway_url: str = "", pipeline_stages: int = 1):
         self.run_id, self.pushgateway_url, self.pipeline_stages = run_id, pushgateway_url, pipeline_stages
         self.registry = KeelRegistry()
-        self.gauge_families = {m.source: Gauge(m.name, m.help, m.labels, registry=self.registry) for m in metrics.GAUGES}
+        self.gauge_families = {m.source: Gauge(m.name, m.help, m.labels, registry=self.registry) for m in metrics.step_gauges()}
         # The labelled children are looked up once, at the first step (.labels() takes a lock and a dict
         # lookup per call). Not before: a gauge would read 0 until then, and a loss of 0 is a lie.
         self.gauges: dict[str, Any] = {}
@@ -70,10 +71,10 @@ class PrometheusSink:
         ).labels(run_id)
         self.counters = {}
         for m in metrics.COUNTERS:
-            labels = (*m.labels, "kind", "severity") if m.source == "alert" else m.labels
+            labels = (*m.labels, "kind", "severity") if m.source == EventKind.ALERT else m.labels
             # prometheus_client adds _total itself; the vocabulary spells the exported name.
             self.counters[m.source] = Counter(m.name.removesuffix("_total"), m.help, labels, registry=self.registry)
-            if m.source != "alert":
+            if m.source != EventKind.ALERT:
                 self.counters[m.source].labels(run_id).inc(0)  # present from the start, so increase() sees the first event
         self.server, self.port = start_exporter(self.registry, host, port)
         log.info("Prometheus exporter on http://%s:%d/metrics", host, self.port)
@@ -103,8 +104,8 @@ class PrometheusSink:
 
     def on_event(self, event: Event) -> None:
         kind = event["kind"]
-        if kind == "alert":
-            self.counters["alert"].labels(self.run_id, event["data"].get("alert", ""), event["severity"]).inc()
+        if kind == EventKind.ALERT:
+            self.counters[EventKind.ALERT].labels(self.run_id, event["data"].get("alert", ""), event["severity"]).inc()
         elif kind in self.counters:
             self.counters[kind].labels(self.run_id).inc()
         elif kind in metrics.RUN_ENDED_EVENTS:

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from keel.monitor.alerts import Alert, AlertRouter
+from keel.monitor.event_kinds import EventKind
 from keel.monitor.sinks import Publisher, Sink
 from keel.monitor.store import RunStore
 
@@ -23,7 +24,7 @@ class RunRecorder:
 
     def event(
         self,
-        kind: str,
+        kind: EventKind,
         message: str,
         *,
         severity: str = "info",
@@ -58,5 +59,5 @@ class RunRecorder:
             summary = ", ".join(
                 f"{name}: {s['cpu_s']:.3f} s CPU, {s['dropped']} dropped, {s['failures']} failed" for name, s in stats.items()
             )
-            self.store.write_event("sinks_closed", summary, data=stats)
+            self.store.write_event(EventKind.SINKS_CLOSED, summary, data=stats)
         self.store.close()

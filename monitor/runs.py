@@ -21,12 +21,13 @@ from typing import Any
 
 import pandas as pd
 
+from keel.monitor.event_kinds import EventKind
 from keel.monitor.goodput import compute_goodput
 from keel.monitor.run_dir import CHECKPOINT_DIR, DRILL_DIR, STORE_FILE
 from keel.monitor.store import read_events, read_meta, read_steps
 
 MIN_STALE_S = 120.0
-_ENDINGS = ("run_started", "run_finished", "run_stopped", "hang")
+_ENDINGS = (EventKind.RUN_STARTED, EventKind.RUN_FINISHED, EventKind.RUN_STOPPED, EventKind.HANG)
 SUMMARY_COLUMNS = (
     "run_id", "run_dir", "status", "problem", "layout", "step", "total_steps", "loss", "tokens_per_s", "mfu",
     "comm_share", "goodput", "rollbacks", "restarts", "alerts", "last_seen",
@@ -80,9 +81,9 @@ def summarize_run(run_dir: str | Path, now: float | None = None) -> dict[str, An
         "total_steps": config.get("training", {}).get("steps"),
         # The run's own figure once it ended; until then the same computation on what it wrote so far.
         "goodput": (meta.get("goodput") or {}).get("goodput") or compute_goodput(read_steps(run_dir), events).goodput,
-        "rollbacks": int((events.kind == "rollback").sum()),
-        "restarts": int((events.kind == "restart").sum()),
-        "alerts": int((events.kind == "alert").sum()),
+        "rollbacks": int((events.kind == EventKind.ROLLBACK).sum()),
+        "restarts": int((events.kind == EventKind.RESTART).sum()),
+        "alerts": int((events.kind == EventKind.ALERT).sum()),
     }
     if len(steps):
         last = steps.iloc[-1]
@@ -110,12 +111,12 @@ def stale_after_s(steps: pd.DataFrame) -> float:
 def _status(steps: pd.DataFrame, events: pd.DataFrame, last_seen: float | None, now: float) -> str:
     endings = events[events.kind.isin(_ENDINGS)]
     last = endings.kind.iloc[-1] if len(endings) else None
-    if last == "run_finished":
+    if last == EventKind.RUN_FINISHED:
         return "finished"
-    if last == "run_stopped":
+    if last == EventKind.RUN_STOPPED:
         return "stopped"
     quiet = last_seen is None or now - last_seen > stale_after_s(steps)
-    if last == "hang" and (not len(steps) or steps.time.max() <= endings.time.iloc[-1]):
+    if last == EventKind.HANG and (not len(steps) or steps.time.max() <= endings.time.iloc[-1]):
         return "hung" if quiet else "running"  # a hang is followed by torchrun's restart, unless it gave up
     return "failed" if quiet else "running"
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from keel.monitor import metric_registry
 from keel.monitor.run_dir import STORE_FILE
 
 if TYPE_CHECKING:
@@ -33,29 +34,19 @@ if TYPE_CHECKING:
 
 SLOWEST_RANKS = 3  # the ranks a step row names in `slowest_ranks`
 
-# Column -> Python type, in table order. The DDL, the binding and the reader's dtypes all come from here.
-_STEP_TYPES: dict[str, type] = {
-    "step": int,
-    "attempt": int,
-    "time": float,
-    "loss": float,
-    "grad_norm": float,
-    "lr": float,
-    "tokens": int,
-    "tokens_per_s": float,
-    "mfu": float,
-    "comm_share": float,  # the ranks' mean; NULL on steps where communication was not measured
-    "comm_share_max": float,  # the largest rank's share; NULL where not measured
-    "step_time_s": float,  # the slowest rank's: the step's
-    "step_time_median_s": float,
-    "step_time_min_s": float,
-    # The few ranks with the longest busy time (step minus communication), slowest first: "5,0,3"; NULL
-    # where communication was not measured (only that tells a slow rank from the ones waiting for it).
-    "slowest_ranks": str,
-    "data_time_s": float,
-    "mem_peak_bytes": int,
-    "skipped": int,
-}
+
+def _step_types() -> dict[str, type]:
+    """The `steps` table's column -> Python type, in table order: its DDL, binding and readers' dtypes all
+    come from here. Read from keel.monitor.metric_registry at each call, never at import (see there)."""
+    return {m.column: m.dtype for m in metric_registry.STEP_METRICS}
+
+
+def step_columns() -> tuple[str, ...]:
+    """The `steps` table's columns, in table order."""
+    return tuple(_step_types())
+
+
+# Column -> Python type, in table order, as for the steps.
 # Kept on sampled steps only unless the trainer is told otherwise (metrics.rank_rows): see keel.trainer.step_metrics.
 _RANK_TYPES: dict[str, type] = {
     "step": int,
@@ -69,7 +60,6 @@ _RANK_TYPES: dict[str, type] = {
 _STEP_KEY = ("step", "attempt")
 _RANK_KEY = ("step", "attempt", "rank")
 
-STEP_COLUMNS: tuple[str, ...] = tuple(_STEP_TYPES)
 RANK_COLUMNS: tuple[str, ...] = tuple(_RANK_TYPES)
 
 
@@ -82,15 +72,16 @@ def _table_ddl(table: str, types: dict[str, type], key: tuple[str, ...]) -> str:
     return f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(columns)}, PRIMARY KEY ({', '.join(key)}))"
 
 
-_SCHEMA = ";\n".join(
-    [
-        _table_ddl("steps", _STEP_TYPES, _STEP_KEY),
-        _table_ddl("rank_steps", _RANK_TYPES, _RANK_KEY),
-        "CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL, step INTEGER,"
-        " attempt INTEGER, rank INTEGER, kind TEXT, severity TEXT, message TEXT, data TEXT)",
-        "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)",
-    ]
-)
+def _schema(step_types: dict[str, type]) -> str:
+    return ";\n".join(
+        [
+            _table_ddl("steps", step_types, _STEP_KEY),
+            _table_ddl("rank_steps", _RANK_TYPES, _RANK_KEY),
+            "CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL, step INTEGER,"
+            " attempt INTEGER, rank INTEGER, kind TEXT, severity TEXT, message TEXT, data TEXT)",
+            "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)",
+        ]
+    )
 
 
 def _insert_sql(table: str, columns: Iterable[str]) -> str:
@@ -98,7 +89,6 @@ def _insert_sql(table: str, columns: Iterable[str]) -> str:
     return f"INSERT OR REPLACE INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
 
 
-_INSERT_STEP = _insert_sql("steps", STEP_COLUMNS)
 _INSERT_RANK = _insert_sql("rank_steps", RANK_COLUMNS)
 _EVENT_COLUMNS = ("time", "step", "attempt", "rank", "kind", "severity", "message", "data")
 _INSERT_EVENT = _insert_sql("events", _EVENT_COLUMNS)
@@ -125,19 +115,19 @@ def _json_default(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else str(value)
 
 
-def _create_store(path: Path) -> None:
+def _create_store(path: Path, step_types: dict[str, type]) -> None:
     """A new store, its tables made under a temporary name and renamed into place: a reader that finds
     the store (the dashboard, a test polling a starting run) never sees it without its tables."""
     tmp = path.with_name(f"{path.name}.tmp")
     with closing(sqlite3.connect(tmp)) as conn:
-        conn.executescript(_SCHEMA)
+        conn.executescript(_schema(step_types))
     os.replace(tmp, path)
 
 
-def _add_missing_columns(conn: sqlite3.Connection) -> None:
+def _add_missing_columns(conn: sqlite3.Connection, step_types: dict[str, type]) -> None:
     """A store written by an earlier Keel (a run resumed after an upgrade) gets the columns added since,
     NULL in its earlier rows."""
-    for table, types in (("steps", _STEP_TYPES), ("rank_steps", _RANK_TYPES)):
+    for table, types in (("steps", step_types), ("rank_steps", _RANK_TYPES)):
         present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
         for column in types.keys() - present:
             conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {_SQL_TYPES[types[column]]}")
@@ -149,8 +139,11 @@ class RunStore:
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / STORE_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Built once: write_step is on the hot path.
+        self._step_types = _step_types()
+        self._insert_step = _insert_sql("steps", self._step_types)
         if not self.path.exists():
-            _create_store(self.path)
+            _create_store(self.path, self._step_types)
         # Our lock, not sqlite's, keeps one thread's transaction from taking in another thread's rows.
         self._conn = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, check_same_thread=False)
         self._lock = threading.Lock()
@@ -158,17 +151,17 @@ class RunStore:
         # In WAL mode NORMAL skips the fsync per commit; a committed step still survives the process being
         # killed, and only an OS crash or power loss can take back the last few.
         self._conn.execute("PRAGMA synchronous=NORMAL")
-        self._conn.executescript(_SCHEMA)
-        _add_missing_columns(self._conn)
+        self._conn.executescript(_schema(self._step_types))
+        _add_missing_columns(self._conn, self._step_types)
 
     def write_step(self, step: Mapping[str, Any], rank_rows: Iterable[Mapping[str, Any]] = ()) -> None:
         """Write one step's row and its per-rank rows in one committed transaction.
 
-        Keys are column names from STEP_COLUMNS / RANK_COLUMNS; `step` and `attempt` are required, a
+        Keys are column names from step_columns() / RANK_COLUMNS; `step` and `attempt` are required, a
         missing optional key is stored as NULL. Rank rows take `step` and `attempt` from the step row.
         Writing the same (step, attempt) again replaces it.
         """
-        step_values = _row_values("steps", _STEP_TYPES, _STEP_KEY, step)
+        step_values = _row_values("steps", self._step_types, _STEP_KEY, step)
         key = {"step": step_values[0], "attempt": step_values[1]}
         rank_values = []
         for row in rank_rows:
@@ -176,7 +169,7 @@ class RunStore:
                 raise ValueError(f"rank row {dict(row)} does not belong to step {key}")
             rank_values.append(_row_values("rank_steps", _RANK_TYPES, _RANK_KEY, {**row, **key}))
         with self._lock, self._conn:
-            self._conn.execute(_INSERT_STEP, step_values)
+            self._conn.execute(self._insert_step, step_values)
             self._conn.executemany(_INSERT_RANK, rank_values)
 
     def write_event(
@@ -286,14 +279,14 @@ _EVERY_STEP = (-(2**63), 2**63 - 1)
 
 
 def read_steps(run_dir: str | Path, *, effective: bool = False, steps: tuple[int, int] = _EVERY_STEP) -> pd.DataFrame:
-    """Step metrics ordered by (step, attempt), one column per STEP_COLUMNS; only the steps in the
+    """Step metrics ordered by (step, attempt), one column per step_columns(); only the steps in the
     inclusive range `steps` when given.
 
     effective=True keeps the trajectory that counts: the last attempt of each step, without the rows
     an attempt left behind when a later one rolled back or restarted before them.
     """
     sql = _EFFECTIVE_STEPS if effective else _ALL_STEPS
-    return _read_table(run_dir, sql, _STEP_TYPES, _STEP_KEY, (int(steps[0]), int(steps[1])))
+    return _read_table(run_dir, sql, _step_types(), _STEP_KEY, (int(steps[0]), int(steps[1])))
 
 
 def read_attempt_starts(run_dir: str | Path) -> pd.Series:
@@ -444,7 +437,7 @@ def read_appended(run_dir: str | Path, since: StoreMark | None = None) -> Append
         first_rank_step = conn.execute(sql, spans["rank_steps"]).fetchone()[0]
     if _file_id(path) != file:  # a store made anew while this one was read: read that one
         return read_appended(run_dir)
-    return Appended(fresh, _typed(steps, _STEP_TYPES, _STEP_KEY), _typed_events(events), first_rank_step, mark)
+    return Appended(fresh, _typed(steps, _step_types(), _STEP_KEY), _typed_events(events), first_rank_step, mark)
 
 
 _FIRST_STEP = "SELECT step, attempt, time FROM steps ORDER BY rowid LIMIT 1"

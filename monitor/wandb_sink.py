@@ -16,16 +16,15 @@ import time
 from pathlib import Path
 from typing import Any, get_args
 
+from keel.monitor import metric_registry
 from keel.monitor.alerts import describe
 from keel.monitor.config_fields import WandbMode
+from keel.monitor.event_kinds import EventKind
 from keel.monitor.redact import redact, redact_argv
 from keel.monitor.run_dir import WANDB_DIR
 from keel.monitor.sinks import Event, SinkError
 
 log = logging.getLogger("keel.monitor")
-
-# Step-row columns logged to W&B; the rest (time, tokens, skipped) are in the run store.
-_LOGGED = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "comm_share", "step_time_s", "data_time_s", "mem_peak_bytes", "attempt")
 
 # An online wandb.init that cannot reach the server gives up after this long instead of wandb's 90 s.
 _INIT_TIMEOUT_S = 30.0
@@ -63,6 +62,8 @@ class WandbSink:
                     "W&B: no API key (WANDB_API_KEY or `wandb login`), logging offline; upload later with `wandb sync %s`", offline_runs
                 )
         self.mode = mode
+        # The step metrics the registry marks for W&B; the run store has them all.
+        self._logged = tuple(m.column for m in metric_registry.STEP_METRICS if m.wandb)
         self.alert_throttle_s = alert_throttle_s
         self.min_interval_s, self._clock = min_interval_s, clock
         self._last_logged_at: float | None = None
@@ -97,7 +98,7 @@ class WandbSink:
         1 ms of CPU in the training process, too much for steps of a few ms. The run store and
         Prometheus keep every step; W&B then gets the newest step at most every min_interval_s, the
         last and first step around each new attempt (a rollback stays visible), and the last step at close."""
-        values = {f"train/{key}": row[key] for key in _LOGGED if row.get(key) is not None}
+        values = {f"train/{key}": row[key] for key in self._logged if row.get(key) is not None}
         now = self._clock()
         new_attempt = row.get("attempt") != self._last_attempt
         if new_attempt and self._held is not None:
@@ -113,7 +114,7 @@ class WandbSink:
     def on_event(self, event: Event) -> None:
         # Offline, W&B would deliver an alert only at a later `wandb sync`, when it is stale; the run
         # store and the other channels have it already.
-        if event.get("kind") != "alert" or self.mode != "online":
+        if event.get("kind") != EventKind.ALERT or self.mode != "online":
             return
         data = event.get("data") or {}
         values = " ".join(f"{k}={v}" for k, v in data.get("values", {}).items())

@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from keel.monitor.alerts import describe
+from keel.monitor.event_kinds import EventKind
 from keel.monitor.sinks import Event, SinkError
 
 _COLORS = {"critical": "#d93025", "warning": "#f29900", "info": "#9aa0a6"}  # red, orange, grey
@@ -53,7 +54,7 @@ class WebhookSink:
         pass  # the webhook carries alerts only
 
     def on_event(self, event: Event) -> None:
-        if event.get("kind") != "alert":
+        if event.get("kind") != EventKind.ALERT:
             return
         body = json.dumps(_message(event), default=str).encode()
         request = urllib.request.Request(

@@ -22,7 +22,7 @@ from keel.dashboard.actions import ACTIONS_ENV, ActionRefused, inject_fault, sta
 from keel.dashboard.launch import actions_state
 from keel.dashboard.run_page import read_run
 from keel.dashboard.runs_page import RUNS_ENV
-from keel.dashboard.series import MARKER_KINDS, METRICS
+from keel.dashboard.series import MARKER_KINDS, chart_titles
 from keel.monitor.store import RunStore, read_appended, read_events, read_steps
 
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
@@ -79,7 +79,7 @@ def test_run_page_marks_every_event_and_draws_the_rolled_back_steps_apart(spike_
     app = _run_page(spike_run.parent, "spike", monkeypatch)
     assert not app.exception and not app.error, (app.exception, app.error)
     charts = _charts(app)
-    assert set(METRICS.values()) <= set(charts)
+    assert set(chart_titles().values()) <= set(charts)
     markers, lines = sorted(charts["loss"], key=lambda f: "segment" in f.columns)
     events = read_events(spike_run)
     marked = events[events.kind.isin(MARKER_KINDS)]
@@ -327,7 +327,10 @@ def test_compare_page_overlays_runs_by_tokens(spike_run, reference_dir, tmp_path
     for name, run_dir in (("spike", spike_run), ("tiny", reference_dir)):
         kept = read_steps(run_dir, effective=True)
         shown = series[series.run == name].sort_values("x")
-        assert shown.x.tolist() == kept.tokens.cumsum().astype(float).tolist()  # under 1,000 steps: every one
+        # The store's tokens are already the running total (step x the global batch's tokens): drawn as they
+        # are, one point a step (under 1,000 steps), not summed again.
+        per_step = kept.tokens.iloc[0] // kept.step.iloc[0]
+        assert shown.x.tolist() == (kept.step * per_step).astype(float).tolist() == kept.tokens.astype(float).tolist()
         assert shown.value.tolist() == kept.grad_norm.tolist()
 
 

@@ -21,7 +21,6 @@ from keel.monitor import metrics_cli
 from keel.monitor.run_dir import STORE_FILE
 from keel.monitor.store import (
     RANK_COLUMNS,
-    STEP_COLUMNS,
     RunStore,
     abandoned_mask,
     read_attempt_starts,
@@ -30,6 +29,7 @@ from keel.monitor.store import (
     read_rank_bins,
     read_rank_steps,
     read_steps,
+    step_columns,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ def test_steps_rank_rows_events_and_meta_round_trip(tmp_path):
         store.set_meta("config", config)
 
     steps = read_steps(tmp_path)
-    assert tuple(steps.columns) == STEP_COLUMNS
+    assert tuple(steps.columns) == step_columns()
     assert steps.iloc[0].to_dict() == full_step(1)
     second = steps.iloc[1]
     assert (second["step"], second["loss"], second["tokens"], second["skipped"]) == (2, 0.5, 8, 1)
@@ -109,11 +109,11 @@ def test_a_store_of_an_earlier_keel_is_read_and_continued(tmp_path):
         conn.execute(f"CREATE TABLE steps ({', '.join(old_columns)}, PRIMARY KEY (step, attempt))")
         conn.execute(f"INSERT INTO steps VALUES ({', '.join('?' * len(old_columns))})", [full_step(1)[c] for c in old_columns])
     before = read_steps(tmp_path)
-    assert tuple(before.columns) == STEP_COLUMNS and before.slowest_ranks.isna().all() and before.step_time_min_s.isna().all()
+    assert tuple(before.columns) == step_columns() and before.slowest_ranks.isna().all() and before.step_time_min_s.isna().all()
     with RunStore(tmp_path) as store:
         store.write_step(full_step(2))
     steps = read_steps(tmp_path)
-    assert tuple(steps.columns) == STEP_COLUMNS
+    assert tuple(steps.columns) == step_columns()
     assert steps.iloc[1].to_dict() == full_step(2)
     assert steps.iloc[0].loss == full_step(1)["loss"] and pd.isna(steps.iloc[0].comm_share_max)
 
@@ -297,7 +297,7 @@ def test_metrics_csv_has_every_column_and_all_attempts(rolled_back_run, capsys):
     assert metrics_cli.main([str(rolled_back_run), "--csv", "--all-attempts"]) == 0
     parsed = pd.read_csv(io.StringIO(capsys.readouterr().out))
     expected = read_steps(rolled_back_run)
-    assert tuple(parsed.columns) == STEP_COLUMNS
+    assert tuple(parsed.columns) == step_columns()
     assert parsed["attempt"].tolist() == [0, 0, 1]
     pd.testing.assert_frame_equal(parsed, expected, check_dtype=False)
 

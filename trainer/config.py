@@ -19,7 +19,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from keel.chaos.fault_specs import KINDS, parse_fault
+from keel.chaos.fault_specs import parse_fault
+from keel.chaos.kinds import KINDS
 from keel.monitor.config_fields import WandbMode, at_least
 from keel.monitor.detectors import SpikeConfig
 from keel.monitor.redact import redact
@@ -42,11 +43,11 @@ class ConfigError(ValueError):
 class ModelConfig:
     # A named shape from keel.trainer.model_args.MODEL_PRESETS; the fields below override it when set.
     preset: str = "tiny"
-    dim: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    ffn_dim: int | None = None
+    dim: int | None = None  # the model width (d_model)
+    n_layers: int | None = None  # transformer blocks
+    n_heads: int | None = None  # attention heads
+    n_kv_heads: int | None = None  # key/value heads (grouped-query attention; n_heads: plain multi-head)
+    ffn_dim: int | None = None  # the SwiGLU feed-forward's hidden width
     # The tokenizer's vocabulary (e.g. 50304, 128256): token ids must be below it. Built padded for tensor
     # parallelism (keel.trainer.model_args.padded_vocab_size); counted unpadded.
     vocab_size: int | None = None
@@ -64,13 +65,14 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # "builtin" reads the Python standard library's source as bytes; anything else is a path to a
-    # uint16 token file (nanoGPT's .bin format), made with `keel prepare-data`.
+    # "builtin" reads the Python standard library's source as bytes; anything else is a token file
+    # (`keel prepare-data`'s, with its JSON sidecar, or nanoGPT's uint16 .bin) or a Megatron-LM indexed
+    # dataset's PREFIX (PREFIX.bin + PREFIX.idx): docs/data.md.
     source: str = "builtin"
     # The tokenizer.json the job's model expects ("": not checked): a token file whose sidecar names
     # another tokenizer (by sha256) is refused before any worker starts.
     tokenizer: str = ""
-    seq_len: int = 64
+    seq_len: int = 64  # tokens per sequence: the context the model is trained on
     # Batch index ranges never read, e.g. ["80:107"] (end excluded): a run that skips what another
     # run's rollback skipped, for a like-for-like comparison (the rollback event says which batches).
     skip_batches: list[str] = field(default_factory=list)
@@ -84,10 +86,10 @@ class DataConfig:
 
 @dataclass
 class TrainingConfig:
-    steps: int = 20
+    steps: int = 20  # optimizer steps of the whole run (the LR schedule's length)
     global_batch_size: int = 8  # sequences per optimizer step, over all dp ranks
     microbatches: int = 1  # per dp rank; the pipeline schedule's n_microbatches when pp > 1
-    seed: int = 0
+    seed: int = 0  # the model's initialization and the batches drawn (a batch is a function of seed and its index)
     dtype: TrainingDtype = "auto"  # auto: bf16 mixed precision on CUDA, fp32 on CPU
     activation_checkpointing: ActivationCheckpointing = "none"  # recompute in the backward instead of keeping
     compile: bool = False  # torch.compile each transformer block (inductor; its first step compiles)
@@ -103,13 +105,13 @@ class TrainingConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
+    lr: float = 3e-3  # peak learning rate, reached after warmup_steps
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 5
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    warmup_steps: int = 5  # linear from 0 to lr, then cosine decay over the remaining steps
+    weight_decay: float = 0.1  # AdamW's decoupled decay, on matrices only (norm weights are not decayed)
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's denominator term
     grad_clip: float = 1.0  # the global gradient norm is clipped to this; 0 turns clipping off
 
     def validate(self) -> None:
@@ -132,17 +134,15 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    pp: int = 1
-    dp: int = 1
-    tp: int = 1
-    pp_schedule: PipelineSchedule = "1F1B"
+    pp: int = 1  # pipeline-parallel degree: the layers split over pp ranks
+    dp: int = 1  # data-parallel degree: each dp rank takes global_batch_size / dp sequences a step
+    tp: int = 1  # tensor-parallel degree (Megatron-style: attention heads and the feed-forward split over tp ranks)
+    pp_schedule: PipelineSchedule = "1F1B"  # the pipeline schedule, under pp > 1
     pp_virtual_stages: int = 1  # v stages per pp rank; more than 1 only with Interleaved1F1B
     dp_mode: DataParallelMode = "zero3"  # zero3 | zero2: FSDP2 (ZeRO-3 | ZeRO-2); replicate: gradients all-reduced
-    # Under tp > 1 (ignored at tp 1, so a job resumed on fewer ranks keeps its config): the norms and the
-    # residual stream split by sequence over the tp ranks (Korthikanti et al. 2022), and the loss computed
-    # on each rank's vocabulary columns, never gathering the whole logits (TorchTitan's loss parallel).
-    sequence_parallel: bool = False
-    loss_parallel: bool = False
+    # Both are ignored at tp 1, so a job resumed on fewer ranks keeps its config.
+    sequence_parallel: bool = False  # tp > 1: norms and residual stream split by sequence over the tp ranks (Korthikanti et al. 2022)
+    loss_parallel: bool = False  # tp > 1: the loss on each rank's vocabulary columns, logits never gathered (TorchTitan's loss parallel)
 
     @property
     def n_stages(self) -> int:
@@ -183,12 +183,12 @@ class MetricsConfig:
 @dataclass
 class MonitorConfig:
     prometheus: bool = True  # /metrics exporter on rank 0
-    prometheus_host: str = "127.0.0.1"
+    prometheus_host: str = "127.0.0.1"  # the address /metrics listens on (0.0.0.0: every interface)
     prometheus_port: int = 9400  # busy: the next free port, logged
     prometheus_linger_s: float = 0.0  # keep /metrics up this long after the last step, for short jobs
     pushgateway_url: str = ""  # push the final state here at the end (short jobs)
     wandb: bool = True  # on by default: without an API key W&B logs offline and never waits on the network
-    wandb_project: str = "keel"
+    wandb_project: str = "keel"  # the W&B project the run is logged to
     wandb_mode: WandbMode = "auto"  # auto: online with an API key, offline without (RUN_DIR/wandb/, for `wandb sync`)
     wandb_min_interval_s: float = 1.0  # at most one W&B log per this many seconds (every step if steps are slower)
     webhook_url: str = ""  # Slack-compatible incoming webhook for Keel's alerts (a secret: never written out)
@@ -246,7 +246,7 @@ class RecoveryConfig:
 
 @dataclass
 class WatchdogConfig:
-    enabled: bool = True
+    enabled: bool = True  # a watchdog thread per rank (false: none)
     floor_s: float = 10.0  # a step may always take this long (a stall of a loaded machine is not a hang) ...
     step_factor: float = 5.0  # ... or this many times the median of the last `window` steps (the step after a checkpoint: twice that)
     window: int = 50  # steps whose median sets the allowance
@@ -271,8 +271,8 @@ class ChaosConfig:
     # Random faults: exponentially distributed gaps with this mean, in steps (0: none), each of a kind
     # drawn from random_kinds on a random rank, the same draw for the same seed.
     mtbf_steps: float = 0.0
-    random_kinds: list[str] = field(default_factory=lambda: ["nan", "crash", "hang", "oom"])
-    random_seed: int = 0
+    random_kinds: list[str] = field(default_factory=lambda: ["nan", "crash", "hang", "oom"])  # fault kinds: docs/chaos.md
+    random_seed: int = 0  # the random faults' draw: steps, kinds and ranks
 
     def validate(self) -> None:
         for spec in self.faults:

@@ -10,6 +10,7 @@ from dataclasses import asdict
 
 from keel.monitor.alerts import Alert
 from keel.monitor.detectors import Finding
+from keel.monitor.event_kinds import EventKind
 from keel.monitor.recorder import RunRecorder
 from keel.trainer.checkpoint.checkpointer import Restored, SaveResult
 from keel.trainer.launch.restarts import Failure
@@ -17,10 +18,10 @@ from keel.trainer.launch.restarts import Failure
 # Detector findings: (event kind, severity, alert name or None). A confirmed spike is acted on
 # (rollback); an outlier that may heal and a grad-norm jump are reported, not acted on.
 _FINDINGS = {
-    "loss_outlier": ("loss_outlier", "info", None),
-    "spike_healed": ("spike_healed", "info", None),
-    "grad_norm_spike": ("grad_norm_spike", "warning", "grad_norm_spike"),
-    "spike_confirmed": ("spike", "critical", "loss_spike"),
+    "loss_outlier": (EventKind.LOSS_OUTLIER, "info", None),
+    "spike_healed": (EventKind.SPIKE_HEALED, "info", None),
+    "grad_norm_spike": (EventKind.GRAD_NORM_SPIKE, "warning", "grad_norm_spike"),
+    "spike_confirmed": (EventKind.SPIKE, "critical", "loss_spike"),
 }
 
 
@@ -30,7 +31,7 @@ class Incidents:
 
     def _note(
         self,
-        kind: str,
+        kind: EventKind,
         message: str,
         severity: str = "info",
         *,
@@ -50,11 +51,13 @@ class Incidents:
     def step(self, row: dict, fault_ranks: list[int], findings: list[Finding]) -> None:
         step, attempt = row["step"], row["attempt"]
         for r in fault_ranks:
-            self._note("fault_injected", f"fault injected on rank {r} at step {step}", "warning", step=step, attempt=attempt, rank=r)
+            self._note(
+                EventKind.FAULT_INJECTED, f"fault injected on rank {r} at step {step}", "warning", step=step, attempt=attempt, rank=r
+            )
         if row["skipped"]:
             values = {"loss": row["loss"], "grad_norm": row["grad_norm"]}
             message = f"non-finite step {step} skipped (no update): loss={row['loss']}, grad_norm={row['grad_norm']}"
-            self._note("nonfinite", message, "critical", step=step, attempt=attempt, data=values, alert="nonfinite_loss")
+            self._note(EventKind.NONFINITE, message, "critical", step=step, attempt=attempt, data=values, alert="nonfinite_loss")
         for f in findings:
             kind, severity, alert = _FINDINGS[f.kind]
             data = {"start_step": f.start_step, "value": f.value, "baseline": f.baseline, "threshold": f.threshold}
@@ -73,11 +76,11 @@ class Incidents:
             "discarded": discarded,
         }
         message = f"rolled back from step {step} to the checkpoint of step {restored.step} ({reason})"
-        self._note("rollback", message, "critical", step=step, attempt=attempt, data=data, alert="rollback")
+        self._note(EventKind.ROLLBACK, message, "critical", step=step, attempt=attempt, data=data, alert="rollback")
         first, end = skipped
         if end > first:
             self._note(
-                "skip_data",
+                EventKind.SKIP_DATA,
                 f"skipping batches {first}..{end - 1} ({end - first} batches), read at steps {restored.step + 1}..{step} and after",
                 "warning",
                 step=restored.step,
@@ -88,7 +91,7 @@ class Incidents:
     def no_rollback_target(self, step: int, attempt: int, reason: str, bad_from: int, corrupt: list[str]) -> None:
         self._corrupt(corrupt, attempt)
         self._note(
-            "rollback_failed",
+            EventKind.ROLLBACK_FAILED,
             f"cannot roll back ({reason}): no good checkpoint before step {bad_from}; training goes on",
             "critical",
             step=step,
@@ -100,7 +103,7 @@ class Incidents:
     def _corrupt(self, problems: list[str], attempt: int) -> None:
         for problem in problems:
             self._note(
-                "checkpoint_corrupt",
+                EventKind.CHECKPOINT_CORRUPT,
                 f"corrupt checkpoint {problem}; falling back to an older one",
                 "critical",
                 attempt=attempt,
@@ -111,7 +114,7 @@ class Incidents:
     def loaded(self, restored: Restored, attempt: int) -> None:
         self._corrupt(restored.corrupt, attempt)
         self._note(
-            "checkpoint_loaded",
+            EventKind.CHECKPOINT_LOADED,
             f"loaded {restored.path.name} in {restored.load_s:.2f} s",
             step=restored.step,
             attempt=attempt,
@@ -119,18 +122,22 @@ class Incidents:
         )
         if restored.layout_change:
             self._note(
-                "layout_changed", restored.layout_change, step=restored.step, attempt=attempt, data={"checkpoint": restored.path.name}
+                EventKind.LAYOUT_CHANGED,
+                restored.layout_change,
+                step=restored.step,
+                attempt=attempt,
+                data={"checkpoint": restored.path.name},
             )
 
     def no_checkpoint(self, attempt: int, corrupt: list[str]) -> None:
         self._corrupt(corrupt, attempt)
-        self._note("checkpoint_missing", "no good checkpoint to resume from: starting at step 1", "warning", attempt=attempt)
+        self._note(EventKind.CHECKPOINT_MISSING, "no good checkpoint to resume from: starting at step 1", "warning", attempt=attempt)
 
     def saved(self, results: list[SaveResult], attempt: int) -> None:
         for r in results:
             if r.error:
                 self._note(
-                    "checkpoint_failed",
+                    EventKind.CHECKPOINT_FAILED,
                     f"checkpoint of step {r.step} failed: {r.error}",
                     "critical",
                     step=r.step,
@@ -140,7 +147,7 @@ class Incidents:
                 )
             else:
                 self._note(
-                    "checkpoint_saved",
+                    EventKind.CHECKPOINT_SAVED,
                     f"{r.path.name}: blocked {r.blocking_s * 1000:.0f} ms, written in {r.total_s:.2f} s",
                     step=r.step,
                     attempt=attempt,
@@ -153,7 +160,7 @@ class Incidents:
         cause = f" after {failure.describe()}" if failure else ""
         data = {"restart_count": restart_count, "down_s": down_s, **(asdict(failure) if failure else {})}
         self._note(
-            "restart",
+            EventKind.RESTART,
             f"workers restarted{cause} (restart {restart_count}), resuming at step {step + 1}",
             "warning",
             step=step,
@@ -168,7 +175,7 @@ class Incidents:
         """A resume after the run's processes ended with no record of it (a node lost, or the job killed
         from outside): the gap is lost time."""
         self._note(
-            "node_loss",
+            EventKind.NODE_LOSS,
             f"the run's processes vanished after step {last_step}; resumed {down_s:.0f} s later at step {step + 1}",
             "critical",
             step=step,
@@ -181,7 +188,7 @@ class Incidents:
 
     def _injected_kill(self, failure: Failure, attempt: int) -> None:
         self._note(
-            "fault_injected",
+            EventKind.FAULT_INJECTED,
             f"fault injected on {'the node' if failure.rank is None else f'rank {failure.rank}'} at step {failure.fault_step}: "
             f"{failure.fault} (it ended the process)",
             "warning",
@@ -196,12 +203,12 @@ class Incidents:
             f"hang: no progress for {info['stalled_s']:.0f} s in {info['phase']} of step {info['step']} "
             f"(allowed {info['timeout_s']:.0f} s); stacks in {info['dump']}; restarting"
         )
-        self._note("hang", message, "critical", step=info["step"], attempt=info["attempt"], data=info, alert="hang")
+        self._note(EventKind.HANG, message, "critical", step=info["step"], attempt=info["attempt"], data=info, alert="hang")
 
     def bad_batches(self, step: int, attempt: int, batches: list[int], vocab_size: int) -> None:
         message = f"batches {batches} passed over at step {step}: token ids outside the vocabulary (< {vocab_size})"
         self._note(
-            "bad_batch",
+            EventKind.BAD_BATCH,
             message,
             "critical",
             step=step,
@@ -212,7 +219,7 @@ class Incidents:
 
     def oom(self, step: int, attempt: int, rank: int, old: int, new: int, how: str) -> None:
         self._note(
-            "oom",
+            EventKind.OOM,
             f"out of memory on rank {rank} at step {step}: micro-batches {old} -> {new} ({how})",
             "critical",
             step=step,
@@ -224,7 +231,7 @@ class Incidents:
 
     def oom_retry(self, step: int, attempt: int, old: int, new: int, configured: int) -> None:
         self._note(
-            "oom_retry",
+            EventKind.OOM_RETRY,
             f"micro-batches {old} -> {new} at step {step}: the larger micro-batch again after an out-of-memory",
             step=step,
             attempt=attempt,
@@ -235,7 +242,7 @@ class Incidents:
         for rank, score in flagged:
             if math.isfinite(score):
                 self._note(
-                    "straggler",
+                    EventKind.STRAGGLER,
                     f"rank {rank} is a straggler: score {score:.2f} (fastest rank's median busy time / its own)",
                     "warning",
                     step=step,
@@ -247,7 +254,7 @@ class Incidents:
 
     def stopped(self, step: int, attempt: int, reason: str, exit_code: int) -> None:
         self._note(
-            "run_stopped",
+            EventKind.RUN_STOPPED,
             f"run stopped at step {step}: {reason}",
             "critical",
             step=step,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import resource
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -80,6 +81,26 @@ def rank_rows(step: int, attempt: int, step_times, comm_times, data_times, mems)
     ]
 
 
+@dataclass(frozen=True)
+class StepNumbers:
+    """One step's numbers on this rank, as the loop has them: what StepReporter.report agrees with the
+    other ranks into the step row (whose columns are keel.monitor.metric_registry's)."""
+
+    step: int
+    attempt: int
+    lr: float
+    grad_norm: float  # global: the same on every rank
+    loss: torch.Tensor | None  # None on pipeline ranks without the last stage
+    data_time: float  # seconds this rank waited for its batch
+    comm_time: float | None = None  # exposed communication seconds; None when not measured
+    faults_fired: int = 0  # faults this rank injected during the step
+    skipped: bool = False  # no update: a loss or gradient was not finite on some rank
+    sampled: bool = False  # a step whose per-rank rows are kept
+    # On a profiled CPU step, the most bytes of tensors this rank held (kept per rank in the run's meta,
+    # ALLOCATED_PEAK_META, for `keel plan --check`).
+    allocated_peak: int | None = None
+
+
 class StepReporter:
     """Measures step time on this rank, agrees the step's metrics with all ranks, records them."""
 
@@ -107,38 +128,23 @@ class StepReporter:
         """Time spent since the last step (a checkpoint save, a rollback) is not counted in the next step."""
         self.step_end = time.perf_counter()
 
-    def report(
-        self,
-        step: int,
-        attempt: int,
-        lr: float,
-        grad_norm: float,
-        loss: torch.Tensor | None,
-        data_time: float,
-        comm_time: float | None,
-        faults_fired: int = 0,
-        skipped: bool = False,
-        sampled: bool = False,
-        allocated_peak: int | None = None,
-    ) -> tuple[dict, list[int]]:
+    def report(self, numbers: StepNumbers) -> tuple[dict, list[int]]:
         """Returns the agreed step row and the ranks that injected a fault this step (the same on every
-        rank). `loss` is None on pipeline ranks without the last stage; `comm_time` None when not measured;
-        `sampled`: a step whose per-rank rows are kept. Where communication was measured, also sets
-        `busy_s`: per rank, step time minus communication time (NaN for a rank that measured none).
-        `allocated_peak`: on a profiled CPU step, the most bytes of tensors this rank held (kept per rank
-        in the run's meta, ALLOCATED_PEAK_META, for `keel plan --check`)."""
+        rank). Where communication was measured, also sets `busy_s`: per rank, step time minus
+        communication time (NaN for a rank that measured none)."""
         now = time.perf_counter()
         step_time, self.step_end = now - self.step_end, now
+        step, attempt, loss, comm_time = numbers.step, numbers.attempt, numbers.loss, numbers.comm_time
         mine = [
             0.0 if loss is None else 1.0,
             0.0 if loss is None else loss.item(),
             step_time,
             math.nan if comm_time is None else comm_time,
-            data_time,
+            numbers.data_time,
             float(peak_memory_bytes(self.device)),
-            float(faults_fired),
+            float(numbers.faults_fired),
             time.time(),
-            math.nan if allocated_peak is None else float(allocated_peak),
+            math.nan if numbers.allocated_peak is None else float(numbers.allocated_peak),
         ]
         has_loss, losses, step_times, comm_times, data_times, mems, faults, clocks, allocated = gather_rows(mine, self.device, self.world).T
         self._keep_allocated_peaks(allocated)
@@ -153,13 +159,12 @@ class StepReporter:
             busy = step_times - comm_times
             self.busy_s, named = busy.tolist(), slowest_ranks(busy)
         row = {
-            # The latest clock of all ranks: a time every rank agrees on, so time-based decisions match.
             "step": step,
             "attempt": attempt,
-            "time": float(clocks.max()),
+            "time": float(clocks.max()),  # the latest clock of all ranks: one every rank agrees on, so time-based decisions match
             "loss": float(losses[has_loss > 0].mean()),
-            "grad_norm": grad_norm,
-            "lr": lr,
+            "grad_norm": numbers.grad_norm,
+            "lr": numbers.lr,
             "tokens": step * self.tokens_per_step,
             "tokens_per_s": tokens_per_s,
             "mfu": mfu,
@@ -171,10 +176,10 @@ class StepReporter:
             "slowest_ranks": named,
             "data_time_s": float(data_times.max()),
             "mem_peak_bytes": int(mems.max()),
-            "skipped": int(skipped),
+            "skipped": int(numbers.skipped),
         }
         if self.recorder is not None:
-            keep_ranks = sampled or comm_time is not None or self.rank_rows_every_step
+            keep_ranks = numbers.sampled or comm_time is not None or self.rank_rows_every_step
             self.recorder.step(row, rank_rows(step, attempt, step_times, comm_times, data_times, mems) if keep_ranks else [])
         if self.progress is not None:
             self.progress.update(step, row["loss"], tokens_per_s, mfu, self.last_comm_share, slowest)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from keel.chaos.fault_specs import parse_fault, random_faults
 from keel.chaos.faults import FaultPlan
 from keel.monitor import run_lock
+from keel.monitor.event_kinds import EventKind
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK, EXIT_ROLLBACK_CAP
 from keel.monitor.redact import redact
 from keel.monitor.run_dir import CONFIG_FILE, LOG_DIR, STORE_FILE, rank_log_name
@@ -41,7 +42,7 @@ from keel.trainer.progress import ProgressLine
 from keel.trainer.recorder_setup import build_recorder
 from keel.trainer.stability import StabilityGuard, Verdict
 from keel.trainer.step import forward_backward
-from keel.trainer.step_metrics import StepReporter, held_tensor_bytes
+from keel.trainer.step_metrics import StepNumbers, StepReporter, held_tensor_bytes
 from keel.trainer.watchdog import Watchdog, stalled_dumps
 
 log = logging.getLogger("keel.train")
@@ -188,7 +189,7 @@ class Trainer:
         }.items():
             recorder.store.set_meta(key, value)
         recorder.event(
-            "run_started",
+            EventKind.RUN_STARTED,
             f"{world} processes, pp{layout.pp} dp{layout.dp} tp{layout.tp}",
             step=0,
             attempt=self.attempt,
@@ -299,10 +300,11 @@ class Trainer:
         self.faults.before_collective()
         memory_peak = profiled.memory_peak_bytes()
         self.memory_measured = self.memory_measured or memory_peak is not None
-        row, fault_ranks = self.reporter.report(
-            step, self.attempt, lr, grad_norm, loss, data_time, profiled.comm_seconds(), len(self.faults.fired), skipped, sampled,
-            memory_peak,
+        numbers = StepNumbers(
+            step, self.attempt, lr, grad_norm, loss, data_time, comm_time=profiled.comm_seconds(), faults_fired=len(self.faults.fired),
+            skipped=skipped, sampled=sampled, allocated_peak=memory_peak,
         )  # fmt: skip
+        row, fault_ranks = self.reporter.report(numbers)
         self.watchdog.step_finished(row["step_time_s"])
         if self.watchdog.collective_timeout_s() != self.tight_timeout_s:
             self.tight_timeout_s = self.watchdog.collective_timeout_s()
@@ -440,13 +442,13 @@ class Trainer:
         cfg, recorder = self.cfg, self.recorder
         self.progress.finish()
         if self.exit_code == EXIT_OK:
-            recorder.event("run_finished", f"{cfg.training.steps} steps", step=cfg.training.steps, attempt=self.attempt, rank=0)
+            recorder.event(EventKind.RUN_FINISHED, f"{cfg.training.steps} steps", step=cfg.training.steps, attempt=self.attempt, rank=0)
         # Imported here: goodput needs pandas, 0.5 s of CPU that only rank 0 pays, once, at the end.
         from keel.monitor.goodput import goodput_of_run
 
         goodput = goodput_of_run(self.run_dir)
         recorder.store.set_meta("goodput", goodput.to_dict())
-        recorder.event("goodput", goodput.summary(), step=self.step, attempt=self.attempt, rank=0, data=goodput.to_dict())
+        recorder.event(EventKind.GOODPUT, goodput.summary(), step=self.step, attempt=self.attempt, rank=0, data=goodput.to_dict())
         print(goodput.summary(), flush=True)
         if cfg.monitor.prometheus_linger_s > 0:
             log.info("keeping /metrics up for %.0f s (monitor.prometheus_linger_s)", cfg.monitor.prometheus_linger_s)
@@ -475,7 +477,7 @@ def _report_stalls(run_dir: Path, incidents: Incidents) -> None:
     """Reports the processes that faulthandler ended because their GIL was held, unless the attempt
     already reported its hang (the other ranks' watchdogs see the same stall from inside a collective)."""
     events = read_events(run_dir) if (run_dir / STORE_FILE).exists() else None
-    reported = set() if events is None else set(events.loc[events.kind == "hang", "attempt"].dropna().astype(int))
+    reported = set() if events is None else set(events.loc[events.kind == EventKind.HANG, "attempt"].dropna().astype(int))
     for info in stalled_dumps(run_dir):
         if info["attempt"] not in reported:
             incidents.hang(info)
@@ -501,8 +503,8 @@ def _ended_unrecorded(run_dir: Path) -> bool:
     """Whether the run's last start has neither finished nor stopped on record: its processes vanished."""
     if not (run_dir / STORE_FILE).exists():
         return False
-    last = last_event(run_dir, ["run_started", "run_finished", "run_stopped"])
-    return last is not None and last[0] == "run_started"
+    last = last_event(run_dir, [EventKind.RUN_STARTED, EventKind.RUN_FINISHED, EventKind.RUN_STOPPED])
+    return last is not None and last[0] == EventKind.RUN_STARTED
 
 
 def _run_began(run_dir: Path, process_start: float) -> float:
@@ -510,7 +512,7 @@ def _run_began(run_dir: Path, process_start: float) -> float:
     if not (run_dir / STORE_FILE).exists():
         return process_start
     events = read_events(run_dir)
-    starts = [d.get("process_start") for d in events.loc[events.kind == "run_started", "data"] if isinstance(d, dict)]
+    starts = [d.get("process_start") for d in events.loc[events.kind == EventKind.RUN_STARTED, "data"] if isinstance(d, dict)]
     return min([s for s in starts if s] + [process_start])
 
 

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from keel.monitor.event_kinds import EventKind
 from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, EXIT_RESTART_CAP
 from keel.monitor.redact import REDACTED
 from keel.monitor.run_dir import CONFIG_FILE, DUMP_DIR, STORE_FILE, wandb_offline_runs
@@ -322,17 +323,17 @@ def nccl_resilience_env(run_dir: Path) -> dict[str, str]:
 def exit_code_of_run(run_dir: Path, torchrun_code: int) -> int:
     """torchrun reports 1 for any failure; the run store says which (see keel.monitor.exits)."""
     try:
-        last = last_event(run_dir, ["run_started", "run_finished", "run_stopped", "hang", "oom"])
+        last = last_event(run_dir, [EventKind.RUN_STARTED, EventKind.RUN_FINISHED, EventKind.RUN_STOPPED, EventKind.HANG, EventKind.OOM])
     except (FileNotFoundError, sqlite3.Error):
         return torchrun_code
-    if last is not None and last[0] == "run_stopped":
+    if last is not None and last[0] == EventKind.RUN_STOPPED:
         return int(last[1]["exit_code"])
     if torchrun_code == 0:
         return EXIT_OK
     failure = last_failure(run_dir)
     if failure is not None and failure.gave_up:
         return EXIT_RESTART_CAP
-    return {"hang": EXIT_HANG, "oom": EXIT_OOM}.get(None if last is None else last[0], EXIT_FAILED)
+    return {EventKind.HANG: EXIT_HANG, EventKind.OOM: EXIT_OOM}.get(None if last is None else last[0], EXIT_FAILED)
 
 
 def next_commands(run_dir: Path) -> list[str]:

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from keel.chaos.fault_specs import ENDS_PROCESS
+from keel.chaos.kinds import KINDS
 from keel.monitor.exits import EXIT_HANG, EXIT_MEANINGS, EXIT_OOM, EXIT_OOM_RESTART
 from keel.monitor.run_dir import AGENT_LOG, CHAOS_DIR, FAILURES_FILE, INJECTED_FILE, STORE_FILE, rank_log_name
 from keel.monitor.store import step_bounds
@@ -110,7 +110,8 @@ def injected_kill(run_dir: Path, since: float) -> dict | None:
             entry = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by the kill it announced
-        if entry.get("kind") in ENDS_PROCESS and entry.get("time", 0) >= since:
+        kind = KINDS.get(entry.get("kind"))
+        if kind is not None and kind.ends_process and entry.get("time", 0) >= since:
             found = entry
     return found
 
