@@ -162,6 +162,14 @@ def account(fault: pd.Series, until: float, events: pd.DataFrame, steps: pd.Data
     return row
 
 
+def _next_fault_time(faults: pd.DataFrame, i: int) -> float:
+    """When the fault after faults[i] struck, passing over the crash that a ckpt_corrupt brings at its own
+    step (the load after that crash is what detects the corruption)."""
+    later = faults.iloc[i + 1 :]
+    later = later[later.step != faults.step.iloc[i]] if faults.kind.iloc[i] == "ckpt_corrupt" else later
+    return float(later.time.iloc[0]) if len(later) else float("inf")
+
+
 def _step_at(steps: pd.DataFrame, when: float) -> int:
     before = steps[steps.time <= when]
     return int(before.step.iloc[-1]) + 1 if len(before) else 1
@@ -178,7 +186,7 @@ def report(clean_dir: Path, faulty_dir: Path, clean: tuple, faulty: tuple) -> bo
     events, steps = read_events(faulty_dir), read_steps(faulty_dir).sort_values("time")
     step_s = statistics.median(read_steps(clean_dir, effective=True).step_time_s)
     faults = injections(faulty_dir, faulty[2])
-    ends = [*faults.time.iloc[1:], float("inf")] if len(faults) else []
+    ends = [_next_fault_time(faults, i) for i in range(len(faults))]
     table = pd.DataFrame([account(f, end, events, steps, step_s) for f, end in zip(faults.itertuples(index=False), ends)])
     print(table.to_string(index=False) if len(table) else "no faults fired")
     undetected = table[(table["detected by"] == "-") & (table.kind != "ckpt_corrupt")] if len(table) else table
