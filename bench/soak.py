@@ -63,13 +63,27 @@ def descendants(pid: int) -> list[int]:
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL to `keel train` and everything under it at once, as when its machine dies."""
-    for pid in [proc.pid, *descendants(proc.pid)]:
+    """SIGKILL to `keel train` and everything under it at once, as when its machine dies; returns once all
+    of them are gone, as a scheduler requeues a job only after its node is down (a worker that is still
+    dying holds the run directory's lock, and the resumed job would rightly refuse it)."""
+    pids = [proc.pid, *descendants(proc.pid)]
+    for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     proc.wait()
+    deadline = time.time() + 60
+    while any(_alive(pid) for pid in pids) and time.time() < deadline:
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie has already dropped its files and locks)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def furthest(run_dir: Path) -> int:
@@ -108,25 +122,40 @@ def injections(run_dir: Path, node_killed: float | None) -> pd.DataFrame:
     return frame.sort_values("time").drop_duplicates("fault", keep="first").reset_index(drop=True)
 
 
-def account(fault: pd.Series, events: pd.DataFrame, steps: pd.DataFrame, step_s: float) -> dict:
-    """What one fault cost: detection, recovery, steps recomputed and seconds lost."""
-    after = events[events.time >= fault.time]
+def account(fault: pd.Series, until: float, events: pd.DataFrame, steps: pd.DataFrame, step_s: float) -> dict:
+    """What one fault cost: detection, recovery, steps recomputed and seconds lost. `until`: when the next
+    fault struck; what happens after it is that fault's."""
+    after = events[(events.time >= fault.time) & (events.time < until)]
     detect = after[after.kind.isin(KINDS[fault.kind].expect.detect)].head(1)
     step = fault.step if fault.step == fault.step and fault.step is not None else _step_at(steps, fault.time)
     row = {"kind": fault.kind, "step": int(step), "rank": "all" if fault.rank is None or fault.rank != fault.rank else int(fault.rank)}
     row["detected by"] = detect.kind.iloc[0] if len(detect) else "-"
     row["delay s"] = round(detect.time.iloc[0] - fault.time, 1) if len(detect) else None
+    # A spike or a run of NaNs is rolled back a few steps after it struck, once confirmed: any recovery
+    # before the next fault is this one's.
     recovery = after[after.kind.isin(RECOVERIES) & (after.time >= (detect.time.iloc[0] if len(detect) else fault.time))].head(1)
-    past = steps[(steps.time > fault.time) & (steps.step > step)].head(1)  # the run got past the fault's step
-    if len(recovery) and (not len(past) or recovery.time.iloc[0] <= past.time.iloc[0]):
+    if len(recovery):
         row["recovery"] = recovery.kind.iloc[0]
-        resumed_at = int(recovery.data.iloc[0].get("to_step", recovery.step.iloc[0]) or 0)
-        row["steps lost"] = max(int(step) - 1 - resumed_at, 0)
+        data = recovery.data.iloc[0]
+        if "from_step" in data:  # a rollback: the steps between the checkpoint and the one it left
+            row["steps lost"] = int(data["from_step"]) - int(data["to_step"])
+        else:  # a restart resumes from the checkpoint it loaded; the fault's step had not finished
+            row["steps lost"] = max(int(step) - 1 - int(recovery.step.iloc[0] or 0), 0)
     else:
         row["recovery"] = "went on" if len(detect) else "harmless"
         row["steps lost"] = 0
+    since = recovery.time.iloc[0] if len(recovery) else fault.time
+    past = steps[(steps.time > since) & (steps.step > step)].head(1)  # the run got past the fault's step again
     row["s lost"] = round(max(past.time.iloc[0] - fault.time - 2 * step_s, 0.0), 1) if len(past) else None
     return row
+
+
+def _next_fault_time(faults: pd.DataFrame, i: int) -> float:
+    """When the fault after faults[i] struck, passing over the crash that a ckpt_corrupt brings at its own
+    step (the load after that crash is what detects the corruption)."""
+    later = faults.iloc[i + 1 :]
+    later = later[later.step != faults.step.iloc[i]] if faults.kind.iloc[i] == "ckpt_corrupt" else later
+    return float(later.time.iloc[0]) if len(later) else float("inf")
 
 
 def _step_at(steps: pd.DataFrame, when: float) -> int:
@@ -145,10 +174,14 @@ def report(clean_dir: Path, faulty_dir: Path, clean: tuple, faulty: tuple) -> bo
     events, steps = read_events(faulty_dir), read_steps(faulty_dir).sort_values("time")
     step_s = statistics.median(read_steps(clean_dir, effective=True).step_time_s)
     faults = injections(faulty_dir, faulty[2])
-    table = pd.DataFrame([account(f, events, steps, step_s) for f in faults.itertuples(index=False)]) if len(faults) else pd.DataFrame()
+    ends = [_next_fault_time(faults, i) for i in range(len(faults))]
+    table = pd.DataFrame([account(f, end, events, steps, step_s) for f, end in zip(faults.itertuples(index=False), ends)])
     print(table.to_string(index=False) if len(table) else "no faults fired")
     undetected = table[(table["detected by"] == "-") & (table.kind != "ckpt_corrupt")] if len(table) else table
-    changing = table[table.kind.isin(CHANGES_DATA)].step.min() if len(table) else None
+    # Where the data may first change: a data-changing fault's step, or earlier where a rollback's data skip
+    # (its margin) reaches back before the fault.
+    skips = events[events.kind == "skip_data"]
+    changing = min([*table[table.kind.isin(CHANGES_DATA)].step, *(skips.step + 1)], default=None) if len(table) else None
     differs = first_difference(read_steps(clean_dir, effective=True), read_steps(faulty_dir, effective=True))
     identical = differs is None or (changing is not None and differs >= changing)
     ok = faulty[0] == 0 and clean[0] == 0 and undetected.empty and identical
