@@ -159,9 +159,11 @@ class Incidents:
         an injected fault that ended its process is recorded here, as it could not record itself."""
         cause = f" after {failure.describe()}" if failure else ""
         data = {"restart_count": restart_count, "down_s": down_s, **(asdict(failure) if failure else {})}
+        # The run's own count (control/failures.jsonl): torchrun's starts again at 1 after a node loss.
+        number = failure.restart + 1 if failure else restart_count
         self._note(
             EventKind.RESTART,
-            f"workers restarted{cause} (restart {restart_count}), resuming at step {step + 1}",
+            f"workers restarted{cause} (failure {number} of the run), resuming at step {step + 1}",
             "warning",
             step=step,
             attempt=attempt,
