@@ -295,11 +295,19 @@ plan.at_step_start([], 1)
 """
 
 
-def _ended(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] in "ZX"  # a zombie: dead, not yet reaped
-    except FileNotFoundError:
-        return True
+def _ended(pid: int, within_s: float = 10.0) -> bool:
+    """Whether the process is gone within `within_s`: a SIGKILL is delivered when the process next runs,
+    which on a loaded machine comes a moment after the agent's own death."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            if open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] in "ZX":  # a zombie: dead, not yet reaped
+                return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("export", [True, False], ids=["KEEL_AGENT_PID", "plain torchrun"])
