@@ -122,40 +122,73 @@ def injections(run_dir: Path, node_killed: float | None) -> pd.DataFrame:
     return frame.sort_values("time").drop_duplicates("fault", keep="first").reset_index(drop=True)
 
 
-def account(fault: pd.Series, until: float, events: pd.DataFrame, steps: pd.DataFrame, step_s: float) -> dict:
-    """What one fault cost: detection, recovery, steps recomputed and seconds lost. `until`: when the next
-    fault struck; what happens after it is that fault's."""
-    after = events[(events.time >= fault.time) & (events.time < until)]
-    detect = after[after.kind.isin(KINDS[fault.kind].expect.detect)].head(1)
+def detections(faults: pd.DataFrame, events: pd.DataFrame) -> list[pd.Series | None]:
+    """Each fault's detection: the first event its kind's drill counts as detection, after it struck and
+    before the next fault that the same events would detect (a NaN's `nonfinite` is not an Inf's)."""
+    found = []
+    for i, fault in enumerate(faults.itertuples(index=False)):
+        kinds = set(KINDS[fault.kind].expect.detect)
+        later = faults.iloc[i + 1 :]
+        rival = later[[bool(kinds & set(KINDS[k].expect.detect)) for k in later.kind]]
+        until = rival.time.iloc[0] if len(rival) else float("inf")
+        hits = events[(events.time >= fault.time) & (events.time < until) & events.kind.isin(kinds)]
+        found.append(hits.iloc[0] if len(hits) else None)
+    return found
+
+
+def recoveries(faults: pd.DataFrame, found: list, events: pd.DataFrame) -> list[pd.Series | None]:
+    """Each detected fault's recovery: the first recovery event after its detection, before another
+    fault's detection (a ckpt_corrupt and the crash at its step, which brings its load, share one restart)."""
+    recovered = events[events.kind.isin(RECOVERIES)]
+    out = []
+    for fault, detect in zip(faults.itertuples(index=False), found):
+        if detect is None:
+            out.append(None)
+            continue
+        others = [d.time for f, d in zip(faults.itertuples(index=False), found) if d is not None and f.step != fault.step]
+        nxt = min((t for t in others if t > detect.time), default=float("inf"))
+        hits = recovered[(recovered.time >= detect.time) & (recovered.time < nxt)]
+        out.append(hits.iloc[0] if len(hits) else None)
+    return out
+
+
+def account(fault, detect, recovery, covered_by: str, steps: pd.DataFrame, step_s: float) -> dict:
+    """What one fault cost: detection, recovery, steps recomputed and seconds lost. `covered_by`: the
+    fault whose recovery undid this one's steps before it was detected (a spike struck during an Inf's
+    last steps, then skipped with them)."""
     step = fault.step if fault.step == fault.step and fault.step is not None else _step_at(steps, fault.time)
     row = {"kind": fault.kind, "step": int(step), "rank": "all" if fault.rank is None or fault.rank != fault.rank else int(fault.rank)}
-    row["detected by"] = detect.kind.iloc[0] if len(detect) else "-"
-    row["delay s"] = round(detect.time.iloc[0] - fault.time, 1) if len(detect) else None
-    # A spike or a run of NaNs is rolled back a few steps after it struck, once confirmed: any recovery
-    # before the next fault is this one's.
-    recovery = after[after.kind.isin(RECOVERIES) & (after.time >= (detect.time.iloc[0] if len(detect) else fault.time))].head(1)
-    if len(recovery):
-        row["recovery"] = recovery.kind.iloc[0]
-        data = recovery.data.iloc[0]
-        if "from_step" in data:  # a rollback: the steps between the checkpoint and the one it left
-            row["steps lost"] = int(data["from_step"]) - int(data["to_step"])
+    row["detected by"] = detect.kind if detect is not None else "-"
+    row["delay s"] = round(detect.time - fault.time, 1) if detect is not None else None
+    row["recovery"], row["steps lost"] = "", 0
+    if recovery is not None:
+        row["recovery"] = recovery.kind
+        if "from_step" in recovery.data:  # a rollback: the steps between the checkpoint and the one it left
+            row["steps lost"] = int(recovery.data["from_step"]) - int(recovery.data["to_step"])
         else:  # a restart resumes from the checkpoint it loaded; the fault's step had not finished
-            row["steps lost"] = max(int(step) - 1 - int(recovery.step.iloc[0] or 0), 0)
+            row["steps lost"] = max(int(step) - 1 - int(recovery.step or 0), 0)
+    elif covered_by:
+        row["recovery"] = f"with {covered_by}"
     else:
-        row["recovery"] = "went on" if len(detect) else "harmless"
-        row["steps lost"] = 0
-    since = recovery.time.iloc[0] if len(recovery) else fault.time
+        row["recovery"] = "went on" if detect is not None else "harmless"
+    since = recovery.time if recovery is not None else fault.time
     past = steps[(steps.time > since) & (steps.step > step)].head(1)  # the run got past the fault's step again
     row["s lost"] = round(max(past.time.iloc[0] - fault.time - 2 * step_s, 0.0), 1) if len(past) else None
     return row
 
 
-def _next_fault_time(faults: pd.DataFrame, i: int) -> float:
-    """When the fault after faults[i] struck, passing over the crash that a ckpt_corrupt brings at its own
-    step (the load after that crash is what detects the corruption)."""
-    later = faults.iloc[i + 1 :]
-    later = later[later.step != faults.step.iloc[i]] if faults.kind.iloc[i] == "ckpt_corrupt" else later
-    return float(later.time.iloc[0]) if len(later) else float("inf")
+def fault_table(faults: pd.DataFrame, events: pd.DataFrame, steps: pd.DataFrame, step_s: float) -> pd.DataFrame:
+    found = detections(faults, events)
+    recovered = recoveries(faults, found, events)
+    rows = []
+    for i, fault in enumerate(faults.itertuples(index=False)):
+        covered_by = ""
+        if found[i] is None:  # struck between an earlier fault and that fault's recovery, which undid it
+            earlier = [(faults.iloc[k], recovered[k]) for k in range(i) if recovered[k] is not None]
+            covering = [f"{f.kind}@{f.step}" for f, r in earlier if f.time <= fault.time <= r.time]
+            covered_by = covering[-1] if covering else ""
+        rows.append(account(fault, found[i], recovered[i], covered_by, steps, step_s))
+    return pd.DataFrame(rows)
 
 
 def _step_at(steps: pd.DataFrame, when: float) -> int:
@@ -174,10 +207,14 @@ def report(clean_dir: Path, faulty_dir: Path, clean: tuple, faulty: tuple) -> bo
     events, steps = read_events(faulty_dir), read_steps(faulty_dir).sort_values("time")
     step_s = statistics.median(read_steps(clean_dir, effective=True).step_time_s)
     faults = injections(faulty_dir, faulty[2])
-    ends = [_next_fault_time(faults, i) for i in range(len(faults))]
-    table = pd.DataFrame([account(f, end, events, steps, step_s) for f, end in zip(faults.itertuples(index=False), ends)])
+    table = fault_table(faults, events, steps, step_s) if len(faults) else pd.DataFrame()
     print(table.to_string(index=False) if len(table) else "no faults fired")
-    undetected = table[(table["detected by"] == "-") & (table.kind != "ckpt_corrupt")] if len(table) else table
+    # Undetected and unrecovered: a ckpt_corrupt nothing loads is harmless, as is a fault whose steps an
+    # earlier fault's recovery undid.
+    missed = (
+        (table["detected by"] == "-") & (table.kind != "ckpt_corrupt") & ~table.recovery.str.startswith("with ") if len(table) else None
+    )
+    undetected = table[missed] if len(table) else table
     # Where the data may first change: a data-changing fault's step, or earlier where a rollback's data skip
     # (its margin) reaches back before the fault.
     skips = events[events.kind == "skip_data"]
@@ -186,7 +223,9 @@ def report(clean_dir: Path, faulty_dir: Path, clean: tuple, faulty: tuple) -> bo
     identical = differs is None or (changing is not None and differs >= changing)
     ok = faulty[0] == 0 and clean[0] == 0 and undetected.empty and identical
     print(f"\nexit codes: clean {clean[0]}, faulty {faulty[0]}                         target 0 and 0")
-    print(f"faults fired {len(table)}, undetected {len(undetected)} (a ckpt_corrupt nothing loads is harmless)   target 0")
+    print(
+        f"faults fired {len(table)}, undetected {len(undetected)} (harmless: a ckpt_corrupt nothing loads, a fault undone with another)   target 0"
+    )
     print(f"loss: first step that differs from the clean run {differs}, first fault that changes the data at step {changing}; "
           f"bit-identical before it: {identical}")  # fmt: skip
     keel_goodput = read_meta(faulty_dir).get("goodput", {})
