@@ -185,7 +185,7 @@ def fault_table(faults: pd.DataFrame, events: pd.DataFrame, steps: pd.DataFrame,
         covered_by = ""
         if found[i] is None:  # struck between an earlier fault and that fault's recovery, which undid it
             earlier = [(faults.iloc[k], recovered[k]) for k in range(i) if recovered[k] is not None]
-            covering = [f"{f.kind}@{f.step}" for f, r in earlier if f.time <= fault.time <= r.time]
+            covering = [f"{f.kind}@{int(f.step)}" for f, r in earlier if f.time <= fault.time <= r.time]
             covered_by = covering[-1] if covering else ""
         rows.append(account(fault, found[i], recovered[i], covered_by, steps, step_s))
     return pd.DataFrame(rows)
