@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import glob
 import importlib
 import json
 import math
@@ -103,6 +104,15 @@ class FaultPlan:
         name = re.sub(r"[^A-Za-z0-9_.=,@-]", "_", f"fired-{fault}-at{self.step}-rank{rank}")
         return self.run_dir / CHAOS_DIR / name if self.run_dir else None
 
+    def _fired_before(self, fault: Fault, on_any_rank: bool) -> bool:
+        """Whether the fault left its marker at this step: on this rank, or on any rank for a fault that ends
+        the process (the first rank it kills takes the whole group down, often before the others reach
+        their hook; the restart must not crash again on the ranks it did not reach)."""
+        if not on_any_rank:
+            return self._marker(fault).exists()
+        prefix = self._marker(fault, rank=0).name.removesuffix("0")
+        return any((self.run_dir / CHAOS_DIR).glob(glob.escape(prefix) + "*"))
+
     def _due(self, point: str) -> list[Fault]:
         """Faults whose kind has a hook at `point` that hit this rank at this step and have not fired at it
         yet, in the order of KINDS (the kinds that end the step or the process last)."""
@@ -112,7 +122,7 @@ class FaultPlan:
             if point in kind.hooks and f.hits(self.step, self.rank) and (f, self.step) not in self._spent:
                 # A loss fault fires on every micro-batch of its step: its own marker does not stop it.
                 marker = self._marker(f)
-                if kind.persistent or f in self._marked_now or marker is None or not marker.exists():
+                if kind.persistent or f in self._marked_now or marker is None or not self._fired_before(f, kind.ends_process):
                     due.append(f)
         order = list(KINDS)
         return sorted(due, key=lambda f: order.index(f.kind))

@@ -322,3 +322,26 @@ def test_node_loss_kills_the_agent_and_every_worker_after_recording_itself(tmp_p
     [entry] = _injected(tmp_path)  # written (and fsync'd) before the kill
     how = "KEEL_AGENT_PID" if export else "KEEL_AGENT_PID unset: the nearest ancestor running torchrun"
     assert entry["kind"] == "node_loss" and entry["detail"] == f"agent {agent.pid} ({how}) and the 3 processes under it"
+
+
+def test_a_killing_fault_on_every_rank_is_spent_once_any_rank_fired_it(tmp_path):
+    """crash@step=5 (no rank: every rank) kills the first rank that reaches it, and torchrun takes the
+    group down before the others get there. After the restart those others must not crash at step 5
+    again: the resumed run would otherwise lose one more attempt per rank it had not reached. A fault
+    that leaves the process alive (a NaN on every rank) still acts on each rank once."""
+    first = FaultPlan([parse_fault("crash@step=5"), parse_fault("nan@step=5")], 0, tmp_path)
+    first.begin_step(5)
+    for fault in first.faults:
+        first.fire(fault)  # what rank 0's hooks record before they act
+    code = textwrap.dedent(f"""
+        import torch
+        from keel.chaos.fault_specs import parse_fault
+        from keel.chaos.faults import FaultPlan
+        plan = FaultPlan([parse_fault("crash@step=5"), parse_fault("nan@step=5")], 1, {str(tmp_path)!r})
+        plan.begin_step(5)
+        plan.at_step_start([], 1)
+        print(plan.corrupt_loss(torch.tensor(1.0)).item())
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]  # -9 when rank 1 crashed again
+    assert proc.stdout.strip() == "nan"
