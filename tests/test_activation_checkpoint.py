@@ -41,6 +41,7 @@ def _train(mode: str, steps: int = 3) -> tuple[list[float], list[torch.Tensor], 
     return losses, [p.grad.clone() for p in model.parameters()], len(runs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_checkpointing_changes_no_number(mode):
     losses, grads, runs = _train("none")
@@ -51,6 +52,7 @@ def test_checkpointing_changes_no_number(mode):
         assert torch.equal(g, h)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("checkpointing", "compile"), [("full", False), ("selective", True), ("full", True)])
 def test_checkpointing_and_compile_keep_every_parameter_name(checkpointing, compile):
     """Names seed the initial weights and key the checkpoints: a wrapper module (checkpoint_wrapper's, or

@@ -212,6 +212,7 @@ def test_webhook_does_not_retry_a_rejection(serve):
     assert "127.0.0.1" in str(error.value) and SECRET_PATH not in str(error.value)
 
 
+@pytest.mark.slow
 def test_webhook_down_never_holds_up_training(dead_url, caplog):
     sink = WebhookSink(dead_url, timeout_s=0.2, retries=2, backoff_s=0.05)
     publisher = Publisher([sink])
@@ -241,6 +242,7 @@ def test_webhook_down_never_holds_up_training(dead_url, caplog):
     assert SECRET_PATH not in caplog.text
 
 
+@pytest.mark.slow
 def test_webhook_slow_server_gives_up_after_the_timeout(serve):
     server = serve([200], delay_s=5.0)
     sink = WebhookSink(server.url, timeout_s=0.3, retries=2, backoff_s=0.05)
@@ -398,6 +400,7 @@ def wandb_records(path: Path) -> Iterator:
             yield record
 
 
+@pytest.mark.slow
 def test_wandb_without_api_key_logs_offline_into_the_run_dir(tmp_path):
     config = {"model": {"d_model": 64}, "monitor": {"webhook_url": SECRET_URL, "wandb_mode": "auto"}}
     start = time.monotonic()
@@ -436,6 +439,7 @@ def test_wandb_without_api_key_logs_offline_into_the_run_dir(tmp_path):
         assert not path.is_file() or SECRET_PATH.encode() not in path.read_bytes(), path
 
 
+@pytest.mark.slow
 def test_wandb_rate_bound_keeps_rollbacks_and_the_last_step(tmp_path):
     """With steps faster than min_interval_s, W&B gets the first step, the last step of the abandoned
     attempt and the first of the new one around a rollback, and the last step at close."""
@@ -449,6 +453,7 @@ def test_wandb_rate_bound_keeps_rollbacks_and_the_last_step(tmp_path):
     assert [(row["train/step"], row["train/attempt"]) for row in history] == [(1, 0), (3, 0), (2, 1), (4, 1)]
 
 
+@pytest.mark.slow
 def test_wandb_bad_api_key_fails_with_the_fix(tmp_path):
     result, _, _ = run_wandb_child(tmp_path, {}, mode="online", WANDB_API_KEY="not-a-key")
     assert "set WANDB_API_KEY or run `wandb login`" in result["error"]

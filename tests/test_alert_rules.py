@@ -67,6 +67,7 @@ def test_promtool_check_rules():
     assert f"SUCCESS: {len(EXPECTED_ALERTS)} rules found" in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow
 def test_promtool_rule_unit_tests_pass():
     proc = _run(_tool("promtool"), "test", "rules", RULE_TESTS.name, cwd=ALERTING)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -253,6 +254,7 @@ def _exposition(run_id: str, loss: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+@pytest.mark.slow
 def test_prometheus_and_alertmanager_load_the_rules_and_deliver_an_alert(tmp_path):
     _tool("prometheus")
     with (

@@ -50,6 +50,9 @@ from keel.monitor.exits import EXIT_INTERRUPTED
 from keel.monitor.run_dir import STORE_FILE
 from keel.monitor.store import read_events, read_steps
 
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 NAN_STEP, SPIKE_STEP, HANG_STEP, STEPS = 40, 60, 230, 245
 # The straggler starts once the throughput rule has a baseline (2 x 16 s of history); the hang comes
 # once the stall rule's median step time (over 10 s) is back to normal steps after the straggler's.

@@ -21,6 +21,9 @@ from keel.monitor.store import read_events, read_steps
 from keel.trainer.config import load_config
 from keel.trainer.launch.launcher import next_commands, parse_train_args, torchrun_command
 
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 
 def test_run_directory_contract(reference_dir):
     assert (reference_dir / "run.sqlite").is_file()

@@ -23,6 +23,9 @@ from keel.monitor.run_dir import list_checkpoints
 from keel.monitor.store import read_events, read_meta, read_steps
 from keel.trainer.model_args import MODEL_PRESETS, count_params, flops_per_token
 
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 TINY = ["--config=tiny", "--monitor.prometheus=false"]
 # Four steps stay within the LR warmup (5 steps), where the schedule does not depend on the run's length.
 DP2 = [*TINY, "--dp=2", "--steps=4"]

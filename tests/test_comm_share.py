@@ -10,11 +10,15 @@ import os
 import socket
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from keel.trainer.exposed_comm import sampled_step, warm_up_profiler
+
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
 
 SLEEP_S = 0.3
 

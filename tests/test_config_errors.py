@@ -72,6 +72,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, expected: list[str]
         assert text in lines[0], f"{text!r} not in: {lines[0]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_bad_config_is_one_line_before_any_worker(case, tmp_path):
     args, expected = CASES[case]
@@ -104,6 +105,7 @@ def test_unwritable_run_dir(tmp_path):
     assert_one_line_error(proc, ["run.run_dir=", "not a directory", "--run-dir"])
 
 
+@pytest.mark.slow
 def test_process_count_mismatch_under_plain_torchrun(tmp_path):
     """Started by torchrun directly, the workers are the first to see the config: they stop with the
     same one-line error (printed once, by rank 0) before joining a process group."""

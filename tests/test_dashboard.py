@@ -25,6 +25,9 @@ from keel.dashboard.runs_page import RUNS_ENV
 from keel.dashboard.series import MARKER_KINDS, chart_titles
 from keel.monitor.store import RunStore, read_appended, read_events, read_steps
 
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
 
 

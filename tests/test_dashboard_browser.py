@@ -29,6 +29,9 @@ from keel.dashboard.runs_page import RUNS_ENV
 from keel.dashboard.series import MARKER_KINDS
 from keel.monitor.store import read_events, step_bounds
 
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # Headless chromium as root in a container: no sandbox, no GPU, no /dev/shm, no calls home.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking", "--no-first-run"]

@@ -15,6 +15,9 @@ from keel.chaos.drill import SUITES, select_drills
 from keel.chaos.fault_specs import KINDS
 from keel.monitor.store import read_events, read_rank_steps, read_steps
 
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 TINY = ("--config", "tiny")
 # A short drill: the spike detector needs a baseline, so it may judge from step 12 on; faults hit step 22.
 SHORT_SPIKE = ("--spike.warmup_steps=12", "--spike.min_baseline=8")

@@ -191,6 +191,7 @@ def test_ckpt_corrupt_waits_for_the_save_in_flight_and_flips_that_one(tmp_path):
     assert sum(a != b for a, b in zip(changed, shard)) == 16
 
 
+@pytest.mark.slow
 def test_a_held_gil_is_caught_by_the_watchdog_backstop(tmp_path):
     """The hang watchdog is a Python thread, which a held GIL stops too; faulthandler's timer is not."""
     code = textwrap.dedent(f"""
@@ -310,6 +311,7 @@ def _ended(pid: int, within_s: float = 10.0) -> bool:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("export", [True, False], ids=["KEEL_AGENT_PID", "plain torchrun"])
 def test_node_loss_kills_the_agent_and_every_worker_after_recording_itself(tmp_path, export):
     agent_script = tmp_path / "torchrun"

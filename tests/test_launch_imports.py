@@ -8,6 +8,9 @@ import textwrap
 
 import pytest
 
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize(
     "args",

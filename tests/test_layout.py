@@ -84,6 +84,7 @@ def installed_wheel(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_wheel_holds_the_keel_namespace_and_package_data(installed_wheel):
     (wheel,) = (installed_wheel / "dist").glob("keel-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())

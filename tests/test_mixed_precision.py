@@ -4,9 +4,13 @@ bf16 and reduces gradients in fp32, while the master weights and AdamW's moments
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import train
 from torch.distributed.checkpoint import FileSystemReader
+
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
 
 # Relative, at every step. bf16 keeps 8 significant bits (unit roundoff 2^-8 = 3.9e-3); over these 50
 # steps the loss differed by at most 2.4e-3 at dp2, and by 3.9e-3 at dp2·tp2 with sequence and loss

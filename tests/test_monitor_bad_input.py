@@ -9,9 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from servers import WebhookReceiver, free_port
 
 from keel.monitor.store import read_meta, read_steps
+
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
 
 WEBHOOK_TOKEN = "T0KEN-abc123-do-not-leak"
 WANDB_KEY = "f" * 32 + "-fake-wandb-key"

@@ -11,6 +11,9 @@ from torch import nn
 
 from keel.trainer.optim import clip_grads
 
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 
 def _layer_with_grads(*values: float) -> nn.Linear:
     layer = nn.Linear(len(values), 1, bias=False)

@@ -11,6 +11,9 @@ from conftest import train
 
 from keel.monitor.store import read_meta
 
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 LAYOUTS = {
     "dp2": ["--dp", "2"],
     "tp2": ["--tp", "2"],

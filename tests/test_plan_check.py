@@ -24,6 +24,9 @@ from conftest import keel, train
 
 from keel.trainer.planning.run_plan import check
 
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 MODEL = ("--config=small", "--data.seq_len=256", "--training.global_batch_size=8", "--steps=6", "--metrics.comm_sample_every=2",
          "--checkpoint.interval_steps=1000", "--plan")  # fmt: skip
 LAYOUTS = {

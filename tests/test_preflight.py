@@ -9,6 +9,9 @@ import re
 import pytest
 from conftest import keel
 
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 
 def table(stdout: str) -> dict[str, tuple[str, str]]:
     """{check: (RESULT, detail)} in the order printed; columns are separated by two spaces or more."""

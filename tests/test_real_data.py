@@ -13,6 +13,9 @@ from test_token_sources import write_uint32_file
 from keel.monitor.store import read_steps
 from keel.trainer.data.loader import open_tokens
 
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 BPE_VOCAB = 2048  # the same 2,048 rows at tp1 and tp2; tests/test_vocab.py pads an odd vocabulary differently
 CHECKPOINTED = ["--checkpoint.interval_steps=4", "--checkpoint.async_save=false"]  # step 8's save is complete before a crash at 11
 LAYOUTS = {"dp2-tp2": ["--pp=1", "--dp=2", "--tp=2"], "pp2": ["--pp=2", "--dp=1", "--tp=1"]}

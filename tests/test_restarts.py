@@ -19,6 +19,9 @@ from keel.monitor.store import RunStore, read_events, read_meta, read_steps
 from keel.trainer.launch.restarts import RestartBudget, first_failed, read_failures
 from keel.trainer.progress import ProgressLine
 
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 TINY_DP2 = ("--config=tiny", "--dp=2", "--steps=16", "--checkpoint.interval_steps=4", "--monitor.prometheus=false")
 SIGKILL, SIGSEGV, SIGTERM = -signal.SIGKILL, -signal.SIGSEGV, -signal.SIGTERM
 

@@ -19,6 +19,9 @@ from keel.trainer.checkpoint.manifest import config_record, resume_differences, 
 from keel.trainer.config import ConfigError, load_config
 from keel.trainer.data.loader import write_token_file
 
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 CHECKPOINT = "step-00000006"
 
 

@@ -14,9 +14,13 @@ and saved for layouts where they are plain tensors."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from conftest import keel
 
 from keel.monitor.store import read_events, read_steps
+
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
 
 # Synchronous saves: the save of step 4i is surely complete when the crash comes.
 TINY = ["--config=tiny", "--checkpoint.interval_steps=4", "--checkpoint.async_save=false", "--monitor.prometheus=false"]

@@ -20,6 +20,9 @@ from keel.monitor.run_dir import CHECKPOINT_DIR, LOCK_FILE
 from keel.monitor.run_lock import RunDirBusy, check_free, own
 from keel.monitor.store import read_steps
 
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 
 def _processes_writing(run_dir: Path) -> list[int]:
     """Pids of live processes that name the run directory on their command line (the launcher, torchrun)

@@ -18,6 +18,9 @@ from keel.trainer.model_args import MODEL_PRESETS, model_args, padded_vocab_size
 from keel.trainer.planning.memory_model import rank_model_states
 from keel.trainer.planning.simulate import simulate_rank
 
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 # The seed table's layouts: (preset, pp, dp, tp, microbatches, global batch), and the layers each end rank holds.
 LAYOUTS = {
     "7b dp8": (("7b", 1, 8, 1, 4, 32), (32, 32)),

@@ -6,12 +6,16 @@ are in test_drill.py, where the drill compares them with a reference run.)"""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from conftest import keel, train
 
 from keel.monitor.checkpoints import verify
 from keel.monitor.exits import EXIT_ROLLBACK_CAP
 from keel.monitor.run_dir import list_checkpoints
 from keel.monitor.store import read_events, read_steps
+
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
 
 TINY = ["--config", "tiny", "--monitor.prometheus=false"]
 

@@ -79,6 +79,7 @@ def test_bad_vocabulary_settings_are_one_line_before_any_worker(args, expected, 
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_padding_changes_neither_the_initial_weights_nor_the_loss(tied):
     """Real rows draw exactly what the unpadded matrix draws, padding rows are zero and get no gradient, and
@@ -136,6 +137,7 @@ def assert_same_run(run, ref, rtol: tuple[float, float], steps: range = range(1,
     np.testing.assert_allclose(run.grad_norm, ref.grad_norm, rtol=rtol[1], atol=0, err_msg="grad_norm")
 
 
+@pytest.mark.slow
 def test_an_odd_vocabulary_at_tp2_matches_a_single_process(tmp_path):
     """300 tokens: 320 rows on one process, 384 at tp2, the same losses and gradient norms."""
     ref = train(tmp_path / "tp1", *ODD_VOCAB, "--tp=1")
@@ -155,6 +157,7 @@ def tied_runs(tmp_path_factory) -> tuple[Path, Path]:
     return folder / "tp1", folder / "dp2-tp2"
 
 
+@pytest.mark.slow
 def test_tied_embeddings_at_dp2_tp2_match_a_single_process(tied_runs):
     single, sharded = (read_steps(run_dir, effective=True) for run_dir in tied_runs)
     assert_same_run(sharded, single, DP2_TP2_RTOL)
@@ -164,6 +167,7 @@ def test_tied_embeddings_at_dp2_tp2_match_a_single_process(tied_runs):
     assert f"pipeline stage 0 built: {count_params(tied)[0]} parameters (+{padding} of vocabulary padding)" in logs
 
 
+@pytest.mark.slow
 def test_a_tied_padded_checkpoint_resumes_where_the_padding_fits_and_is_refused_where_not(tied_runs, tmp_path):
     """The dp2·tp2 run's step-10 checkpoint (384 rows) resumed at dp1·tp2 repeats its steps 11-20; at tp1
     (320 rows) it is refused in one line before any worker starts."""

@@ -22,6 +22,9 @@ from keel.monitor.store import read_events, read_meta
 from keel.trainer.config import ConfigError, RecoveryConfig, WatchdogConfig, load_config, validate
 from keel.trainer.watchdog import Watchdog
 
+# Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 TINY = ["--config", "tiny", "--monitor.prometheus=false"]
 
 
