@@ -15,6 +15,7 @@ CASES = {
     "unknown section": (["--optimizer.lr=1e-3"], ["optimizer", "did you mean 'optim'"]),
     "wrong type": (["--training.steps=ten"], ["training.steps", "expected int"]),
     "unknown option": (["--stepz", "3"], ["--stepz", "--section.key=value"]),
+    "negative restart budget": (["--max-restarts=-1"], ["--max-restarts=-1", "must be 0 or more"]),
     "fewer layers than stages": (["--pp", "5", "--training.microbatches=5"], ["model.n_layers=4", "pp*pp_virtual_stages", "4 or less"]),
     "layers do not split over pp*v": (
         ["--pp", "2", "--parallel.pp_schedule=Interleaved1F1B", "--parallel.pp_virtual_stages=4", "--training.microbatches=8"],

@@ -125,6 +125,8 @@ def _dotted_overrides(extra: list[str]) -> list[str]:
 def parse_train_args(argv: list[str], world_size: int | None = None) -> tuple[JobConfig, argparse.Namespace]:
     """The validated JobConfig and the parsed flags. Raises ConfigError on any bad input."""
     opts, extra = build_parser().parse_known_args(argv)
+    if opts.max_restarts < 0:
+        raise ConfigError(f"--max-restarts={opts.max_restarts}: must be 0 or more (0: stop at the first failure)")
     overrides = [f"{SHORT_FLAGS[k]}={getattr(opts, k)}" for k in SHORT_FLAGS if getattr(opts, k) is not None]
     if opts.fault:
         overrides.append("chaos.faults=" + ";".join(opts.fault))
