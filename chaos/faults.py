@@ -101,8 +101,11 @@ class FaultPlan:
     def _marker(self, fault: Fault, rank: int | None = None) -> Path | None:
         """The fire-once marker of a fault at this step, left by this rank (or by `rank`)."""
         rank = self.rank if rank is None else rank
-        name = re.sub(r"[^A-Za-z0-9_.=,@-]", "_", f"fired-{fault}-at{self.step}-rank{rank}")
-        return self.run_dir / CHAOS_DIR / name if self.run_dir else None
+        return self.run_dir / CHAOS_DIR / f"{self._marker_stem(fault)}{rank}" if self.run_dir else None
+
+    def _marker_stem(self, fault: Fault) -> str:
+        """A marker's name up to its rank, safe as a file name."""
+        return re.sub(r"[^A-Za-z0-9_.=,@-]", "_", f"fired-{fault}-at{self.step}-rank")
 
     def _fired_before(self, fault: Fault, on_any_rank: bool) -> bool:
         """Whether the fault left its marker at this step: on this rank, or on any rank for a fault that ends
@@ -110,8 +113,7 @@ class FaultPlan:
         their hook; the restart must not crash again on the ranks it did not reach)."""
         if not on_any_rank:
             return self._marker(fault).exists()
-        prefix = self._marker(fault, rank=0).name.removesuffix("0")
-        return any((self.run_dir / CHAOS_DIR).glob(glob.escape(prefix) + "*"))
+        return any((self.run_dir / CHAOS_DIR).glob(glob.escape(self._marker_stem(fault)) + "*"))
 
     def _due(self, point: str) -> list[Fault]:
         """Faults whose kind has a hook at `point` that hit this rank at this step and have not fired at it
