@@ -1,9 +1,9 @@
 """What the Run page draws of a run, read from its store a little at a time: a live trainer appends a
 few steps between two refreshes, and reading the whole run again at each of them cost seconds (16 s at
-a million steps on eight ranks). A RunReader keeps what it has read of one run and, at each read, adds
-what was committed since (keel.monitor.store.read_appended); it reads the rank heatmap's bins again only
-from the first bin that new rows fall in. What it gives equals a read of the whole store: the test holds
-it. No Streamlit here, so it is tested on its own.
+a million steps on eight ranks). A RunReader keeps what it has read of one run (its step rows, events and
+the user's own metrics) and, at each read, adds what was committed since (keel.monitor.store.read_appended);
+it reads the rank heatmap's bins again only from the first bin that new rows fall in. What it gives
+equals a read of the whole store: the test holds it. No Streamlit here, so it is tested on its own.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ class RunData:
     events: pd.DataFrame
     ranks: pd.DataFrame  # read_rank_bins over the range, on the grid of bin_width
     goodput: Goodput  # of the whole run
+    custom: pd.DataFrame  # the user's own metrics in the range, as read_custom_metrics, each row with its line
+    custom_names: tuple[str, ...]  # every name the run reported, in or out of the range, sorted: a chart each
 
 
 def bin_width(steps: tuple[int, int], bins: int) -> int:
@@ -61,26 +63,28 @@ class RunReader:
         self.run_dir, self.heatmap_bins = run_dir, heatmap_bins
         self._lock = threading.Lock()
         self._mark: StoreMark | None = None
-        self._steps = self._events = pd.DataFrame()
+        self._steps = self._events = self._custom = pd.DataFrame()
         self._grids: dict[tuple[int, int], _Bins] = {}
 
     def read(self, steps: tuple[int, int]) -> RunData:
         """The step range `steps` of the run as it is now: read_steps's rows with their lines, every
-        event, the rank bins and the whole run's goodput."""
+        event, the rank bins, the whole run's goodput and the user's own metrics with their lines."""
         with self._lock:
             self._catch_up()
             every = self._steps
-            abandoned = abandoned_mask(every)  # over the whole run: a later attempt may start before the range
-            lo, hi = every.step.searchsorted(steps[0], "left"), every.step.searchsorted(steps[1], "right")
-            part = every.iloc[lo:hi].reset_index(drop=True)
-            rows = part.assign(segment=segments(part, abandoned.iloc[lo:hi].reset_index(drop=True)))
-            return RunData(rows, self._events, self._rank_bins(steps), compute_goodput(every, self._events))
+            # Over the whole run: a later attempt may start before the range.
+            starts = every.groupby("attempt")["step"].min() if len(every) else None
+            rows = _with_segments(every, steps, starts)
+            custom = _with_segments(self._custom, steps, starts)
+            names = tuple(sorted(self._custom.name.unique())) if len(self._custom) else ()
+            return RunData(rows, self._events, self._rank_bins(steps), compute_goodput(every, self._events), custom, names)
 
     def _catch_up(self) -> None:
         new = read_appended(self.run_dir, self._mark)
         if new.fresh:
-            self._steps, self._events, self._grids = new.steps, new.events, {}
+            self._steps, self._events, self._custom, self._grids = new.steps, new.events, new.custom, {}
         else:
+            self._custom = _merged_custom(self._custom, new.custom, new.steps)  # before the steps: it compares with them
             self._steps = _merged(self._steps, new.steps)
             self._events = pd.concat([self._events, new.events], ignore_index=True) if len(new.events) else self._events
             for grid in self._grids.values():
@@ -117,6 +121,29 @@ def _merged(rows: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
     # A new attempt running earlier steps again, or a row written again: the new one last among equals.
     both = both.sort_values(_STEP_KEY, kind="stable", ignore_index=True)
     return both[~both.duplicated(_STEP_KEY, keep="last")].reset_index(drop=True)
+
+
+def _with_segments(frame: pd.DataFrame, steps: tuple[int, int], attempt_starts: pd.Series | None) -> pd.DataFrame:
+    """The rows of `frame` (sorted by step) in the range, each with its line (series.segments)."""
+    lo, hi = frame.step.searchsorted(steps[0], "left"), frame.step.searchsorted(steps[1], "right")
+    part = frame.iloc[lo:hi].reset_index(drop=True)
+    return part.assign(segment=segments(part, abandoned_mask(part, attempt_starts)))
+
+
+_CUSTOM_ORDER = ["step", "attempt", "name"]
+
+
+def _merged_custom(rows: pd.DataFrame, new: pd.DataFrame, new_steps: pd.DataFrame) -> pd.DataFrame:
+    """Custom metric rows read before and new ones, as read_custom_metrics orders them. A step row among
+    `new_steps` written again brought its custom rows as they are now (the store wrote both in one
+    transaction): those read before for its (step, attempt) go, even when it brought none."""
+    if new_steps.empty:
+        return rows
+    if rows.empty or tuple(new_steps[_STEP_KEY].iloc[0]) > tuple(rows[_STEP_KEY].iloc[-1]):
+        return pd.concat([rows, new], ignore_index=True) if len(new) else rows  # a trainer going on
+    written = pd.MultiIndex.from_frame(new_steps[_STEP_KEY])
+    kept = rows[~pd.MultiIndex.from_frame(rows[_STEP_KEY]).isin(written)]
+    return pd.concat([kept, new], ignore_index=True).sort_values(_CUSTOM_ORDER, kind="stable", ignore_index=True)
 
 
 def _replace_bins(kept: pd.DataFrame, fresh: pd.DataFrame, start: int) -> pd.DataFrame:

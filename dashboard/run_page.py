@@ -1,7 +1,9 @@
 """The Run page: one run, live. Every step metric against step with every event marked (hover for what
 happened) and the attempts a rollback or restart abandoned drawn beside the effective trajectory; the
 ranks side by side (step and communication time per rank and step, stragglers picked out, memory);
-goodput and where the rest of the time went; the checkpoints; the resolved config.
+goodput and where the rest of the time went; the checkpoints; the resolved config. Below Keel's own
+metrics, a chart for each metric the user's training code reported (keel.monitor.custom_metrics), drawn
+the same way; nothing when it reported none.
 
 The charts show the step range of the slider above them, every step of it when it is narrow enough
 (M4 keeps at most 4 points per pixel column), and the range is kept across refreshes and in the URL.
@@ -22,6 +24,7 @@ from keel.dashboard.series import (
     MARKER_COLOURS,
     ROUTINE_MARKERS,
     chart_titles,
+    custom_series,
     event_markers,
     metric_series,
     slowest_rank_counts,
@@ -123,7 +126,9 @@ def _live_run(run_dir: Path) -> None:
     except (sqlite3.Error, FileNotFoundError) as e:
         st.warning(f"{run_dir}: cannot read its run store ({type(e).__name__}: {e}).")
         return
-    _metric_charts(data.rows, event_markers(data.events), steps)
+    markers = event_markers(data.events)
+    _metric_charts(data.rows, markers, steps)
+    _custom_charts(data.custom, data.custom_names, markers, steps)
     _rank_charts(data.ranks, straggler_marks(data.events, steps), steps)
     _slowest_ranks(data.rows)
     left, right = st.columns([2, 3])
@@ -152,6 +157,18 @@ def _metric_charts(rows: pd.DataFrame, markers: pd.DataFrame, steps: tuple[int, 
         if metric != "loss"
     ]
     draw(small, key="chart-grid", columns=3)
+
+
+def _custom_charts(custom: pd.DataFrame, names: tuple[str, ...], markers: pd.DataFrame, steps: tuple[int, int]) -> None:
+    """The user's own metrics, as the small charts of Keel's: one per name the run reported, in or out
+    of the range (a metric reported every thousand steps keeps its chart in a narrow range)."""
+    if not names:
+        return
+    st.subheader("Your metrics")
+    unusual = markers[markers.step.between(*steps) & ~markers.kind.isin(ROUTINE_MARKERS)]
+    series = {name: custom_series(custom, name, grid=steps, buckets=SMALL_CHART_BUCKETS) for name in names}
+    charts = [metric_chart(drawn, unusual, name, steps, MARKER_COLOURS, 150, legend=False) for name, drawn in series.items()]
+    draw(charts, key="chart-custom", columns=3)
 
 
 def _rank_charts(ranks: pd.DataFrame, stragglers: pd.DataFrame, steps: tuple[int, int]) -> None:

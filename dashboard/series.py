@@ -1,5 +1,6 @@
 """What the Run page draws, as plain frames: each metric's effective trajectory and abandoned segments,
-downsampled with M4, and the event markers. No Streamlit here, so it is tested on its own."""
+downsampled with M4 (Keel's step metrics and the user's own), and the event markers. No Streamlit here,
+so it is tested on its own."""
 
 from __future__ import annotations
 
@@ -52,10 +53,20 @@ def metric_series(rows: pd.DataFrame, metric: str, grid: tuple[float, float], bu
     """One charted metric (see chart_titles) ready to draw from step rows with a `segment` column (see
     segments): columns step, value, segment, each segment downsampled on the chart's grid and never joined
     to another (a line is drawn per segment)."""
-    shown = rows[["step", metric, "segment"]].dropna(subset=[metric])
-    frames = [m4(part, "step", metric, buckets, grid) for _, part in shown.groupby("segment", sort=False)]  # rows come sorted by step
     scale = _charts()[metric].scale  # drawn in the unit its title names; the store keeps base units
-    frames = [f.rename(columns={metric: "value"}).assign(value=lambda f: f.value * scale) for f in frames]
+    return _segment_series(rows, metric, grid, buckets, scale)
+
+
+def custom_series(custom: pd.DataFrame, name: str, grid: tuple[float, float], buckets: int = BUCKETS) -> pd.DataFrame:
+    """One of the user's own metrics, as metric_series draws a step metric, from custom metric rows
+    (keel.monitor.store.read_custom_metrics) with a `segment` column: drawn as reported, in the user's unit."""
+    return _segment_series(custom[custom.name == name], "value", grid, buckets, 1.0)
+
+
+def _segment_series(rows: pd.DataFrame, column: str, grid: tuple[float, float], buckets: int, scale: float) -> pd.DataFrame:
+    shown = rows[["step", column, "segment"]].dropna(subset=[column])
+    frames = [m4(part, "step", column, buckets, grid) for _, part in shown.groupby("segment", sort=False)]  # rows come sorted by step
+    frames = [f.rename(columns={column: "value"}).assign(value=lambda f: f.value * scale) for f in frames]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["step", "value", "segment"])
 
 

@@ -1,11 +1,13 @@
 """Keel's Prometheus vocabulary: every exported metric's name, type, unit and help text. The gauges of
 the step row's columns are declared once with the other step metrics, in keel.monitor.metric_registry,
-and derived here; the per-rank gauges, the step histogram and the counters are declared here.
+and derived here; the per-rank gauges, the user's own metrics' gauge, the step histogram and the
+counters are declared here.
 
 Names follow the Prometheus naming guide: a `keel_` prefix, base units (seconds, bytes, ratios
 0..1), `_total` on counters. Every series carries the `run_id` label; per-rank series add `rank` (and
-`stage`, the pipeline stage, where ranks are compared with their peers). Events of some kinds count
-into the counters. The alerting rules (`keel.monitor.alert_rules`) query these names and no others.
+`stage`, the pipeline stage, where ranks are compared with their peers), the user's own metrics the
+`name` the user gave them. Events of some kinds count into the counters. The alerting rules
+(`keel.monitor.alert_rules`) query these names and no others.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from keel.monitor import metric_registry
+from keel.monitor.custom_metrics import CUSTOM_KEY
 from keel.monitor.event_kinds import EventKind
 
 
@@ -52,6 +55,17 @@ RANK_BUSY = MetricSpec(
     ("run_id", "rank", "stage"),
 )
 RANK_GAUGES = (RANK_STEP_DURATION, RANK_BUSY)
+
+# The user's own metrics (keel.monitor.custom_metrics), a series per name. Their units are the user's
+# to know, so the name carries none; a name the user stops reporting keeps its last value.
+CUSTOM_METRIC = MetricSpec(
+    "keel_custom_metric",
+    "gauge",
+    "",
+    "A metric your training code reports under its own name (label name), at the last step that reported it.",
+    CUSTOM_KEY,
+    ("run_id", "name"),
+)
 
 # 1 once the run has ended on purpose (finished, or stopped by the rollback cap), while its exporter
 # lingers: a run that ended is not stalled.
@@ -93,4 +107,4 @@ COUNTERS = (
 
 def exported() -> tuple[MetricSpec, ...]:
     """Every metric the exporter serves."""
-    return step_gauges() + RANK_GAUGES + (RUN_ENDED, STEP_DURATION) + COUNTERS
+    return step_gauges() + RANK_GAUGES + (CUSTOM_METRIC, RUN_ENDED, STEP_DURATION) + COUNTERS

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, push
 from prometheus_client.metrics_core import Metric
 
 from keel.monitor import metrics
+from keel.monitor.custom_metrics import CUSTOM_KEY
 from keel.monitor.event_kinds import EventKind
 from keel.monitor.sinks import Event, SinkError
 
@@ -58,6 +59,9 @@ class PrometheusSink:
         self.gauges: dict[str, Any] = {}
         self.rank_families = {m.source: (m.labels, Gauge(m.name, m.help, m.labels, registry=self.registry)) for m in metrics.RANK_GAUGES}
         self.rank_children: dict[tuple[str, int], Any] = {}
+        custom = metrics.CUSTOM_METRIC
+        self.custom_family = Gauge(custom.name, custom.help, custom.labels, registry=self.registry)
+        self.custom_children: dict[str, Any] = {}  # by name, each made at the first step that reports it
         # Present at 0 from the start: the stall rule matches on it with `unless`.
         ended = metrics.RUN_ENDED
         self.run_ended = Gauge(ended.name, ended.help, ended.labels, registry=self.registry).labels(run_id)
@@ -87,6 +91,9 @@ class PrometheusSink:
             if value is not None:
                 gauge.set(value)
         self.step_duration.observe(row["step_time_s"])
+        for name, value in (row.get(CUSTOM_KEY) or {}).items():  # names checked before the run (keel.monitor.custom_metrics)
+            if value is not None:
+                self._custom_gauge(name).set(value)
         ranks_per_stage = max(1, len(rank_rows) // self.pipeline_stages)  # ranks are laid out stage by stage
         for r in rank_rows:
             self._rank_gauge("step_time_s", r["rank"], ranks_per_stage).set(r["step_time_s"])
@@ -100,6 +107,12 @@ class PrometheusSink:
             labels, family = self.rank_families[source]
             extra = (str(rank // ranks_per_stage),) if "stage" in labels else ()
             child = self.rank_children[(source, rank)] = family.labels(self.run_id, str(rank), *extra)
+        return child
+
+    def _custom_gauge(self, name: str):
+        child = self.custom_children.get(name)
+        if child is None:
+            child = self.custom_children[name] = self.custom_family.labels(self.run_id, name)
         return child
 
     def on_event(self, event: Event) -> None:

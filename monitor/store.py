@@ -9,6 +9,10 @@ committed step survives the writer being killed.
 Steps can repeat: a rollback or a restart runs the same step numbers again under a higher `attempt`.
 All attempts are kept; `read_steps(run_dir, effective=True)` gives the trajectory that counts.
 
+The metrics a user's own code reports under names of its choosing (keel.monitor.custom_metrics) sit in
+a table of their own, `custom_metrics`, a row per step, attempt and name, written with their step row;
+`read_custom_metrics` reads them, by the same rule for what counts.
+
 pandas is imported by the readers only, when they first read: the writer is imported by every trainer
 process, to which pandas would add 0.5 s of CPU at each start.
 """
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from keel.monitor import metric_registry
+from keel.monitor.custom_metrics import CUSTOM_KEY
 from keel.monitor.run_dir import STORE_FILE
 
 if TYPE_CHECKING:
@@ -62,6 +67,13 @@ _RANK_KEY = ("step", "attempt", "rank")
 
 RANK_COLUMNS: tuple[str, ...] = tuple(_RANK_TYPES)
 
+# The user's own metrics, a row per name. Keyed by an id that is never reused (AUTOINCREMENT), not by
+# (step, attempt, name): a step written again deletes its rows before writing its new ones, and a plain
+# rowid would then hand a later row a rowid a reader following the run (read_appended) has passed already.
+_CUSTOM_TYPES: dict[str, type] = {"step": int, "attempt": int, "name": str, "value": float}
+CUSTOM_COLUMNS: tuple[str, ...] = tuple(_CUSTOM_TYPES)
+_CUSTOM_TABLE = "custom_metrics"
+
 
 _SQL_TYPES = {int: "INTEGER", float: "REAL", str: "TEXT"}
 
@@ -80,6 +92,8 @@ def _schema(step_types: dict[str, type]) -> str:
             "CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL, step INTEGER,"
             " attempt INTEGER, rank INTEGER, kind TEXT, severity TEXT, message TEXT, data TEXT)",
             "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)",
+            f"CREATE TABLE IF NOT EXISTS {_CUSTOM_TABLE} (id INTEGER PRIMARY KEY AUTOINCREMENT, step INTEGER NOT NULL,"
+            " attempt INTEGER NOT NULL, name TEXT NOT NULL, value REAL, UNIQUE (step, attempt, name))",
         ]
     )
 
@@ -93,6 +107,8 @@ _INSERT_RANK = _insert_sql("rank_steps", RANK_COLUMNS)
 _EVENT_COLUMNS = ("time", "step", "attempt", "rank", "kind", "severity", "message", "data")
 _INSERT_EVENT = _insert_sql("events", _EVENT_COLUMNS)
 _INSERT_META = _insert_sql("meta", ("key", "value"))
+_INSERT_CUSTOM = _insert_sql(_CUSTOM_TABLE, CUSTOM_COLUMNS)
+_DELETE_CUSTOM = f"DELETE FROM {_CUSTOM_TABLE} WHERE step = ? AND attempt = ?"
 
 # A writer waits this long for another writer (another rank writing an event) before giving up.
 _LEAVE_WAL_WAIT_MS = 1000  # how long closing waits for a reader to finish before it leaves WAL mode
@@ -108,6 +124,22 @@ def _row_values(table: str, types: dict[str, type], key: tuple[str, ...], row: M
         raise ValueError(f"{table} row is missing {', '.join(missing)}")
     # int()/float() accept numpy and torch scalars, which sqlite3 cannot bind, and turn bools into 0/1.
     return tuple(None if (v := row.get(c)) is None else t(v) for c, t in types.items())
+
+
+def _custom_values(key: tuple[int, int], custom: Any) -> list[tuple]:
+    """The rows of a step's custom metrics ({name: number}); a NaN or None is stored as NULL."""
+    if not isinstance(custom, Mapping):
+        raise ValueError(f"the step row's {CUSTOM_KEY!r} is a {type(custom).__name__}: pass a dict of metric name -> number")
+    rows = []
+    for name, value in custom.items():
+        try:
+            number = None if value is None else float(value)  # numpy and torch scalars too, as for the step columns
+        except (TypeError, ValueError):
+            raise ValueError(f"custom metric {name!r} of step {key[0]} is {value!r}: pass a number") from None
+        if not isinstance(name, str):
+            raise ValueError(f"custom metric name {name!r} of step {key[0]} is not a string")
+        rows.append((*key, name, None if number != number else number))
+    return rows
 
 
 def _json_default(value: Any) -> Any:
@@ -159,10 +191,16 @@ class RunStore:
 
         Keys are column names from step_columns() / RANK_COLUMNS; `step` and `attempt` are required, a
         missing optional key is stored as NULL. Rank rows take `step` and `attempt` from the step row.
-        Writing the same (step, attempt) again replaces it.
+        The step row's CUSTOM_KEY, when present, holds the user's own metrics ({name: number}, names
+        checked by the caller: keel.monitor.custom_metrics), written in the same transaction.
+        Writing the same (step, attempt) again replaces it, its custom metrics included.
         """
+        custom = step.get(CUSTOM_KEY) or {}
+        if CUSTOM_KEY in step:
+            step = {c: v for c, v in step.items() if c != CUSTOM_KEY}
         step_values = _row_values("steps", self._step_types, _STEP_KEY, step)
         key = {"step": step_values[0], "attempt": step_values[1]}
+        custom_values = _custom_values(step_values[:2], custom)
         rank_values = []
         for row in rank_rows:
             if any(c in row and row[c] != v for c, v in key.items()):
@@ -171,6 +209,9 @@ class RunStore:
         with self._lock, self._conn:
             self._conn.execute(self._insert_step, step_values)
             self._conn.executemany(_INSERT_RANK, rank_values)
+            # A step written again keeps none of the names it had before.
+            self._conn.execute(_DELETE_CUSTOM, step_values[:2])
+            self._conn.executemany(_INSERT_CUSTOM, custom_values)
 
     def write_event(
         self,
@@ -266,10 +307,12 @@ def _read_table(run_dir: str | Path, sql: str, types: dict[str, type], key: tupl
 # A rollback or restart that runs step s again under a later attempt abandons every earlier attempt's
 # rows from step s on, including steps the new attempt has not reached yet. So a row counts when no
 # later attempt started at or before its step.
-_EFFECTIVE_STEPS = """
+_CUTOFFS = """
 WITH starts AS (SELECT attempt, MIN(step) AS first_step FROM steps GROUP BY attempt),
      cutoffs AS (SELECT attempt, MIN(first_step) OVER (ORDER BY attempt DESC
                      ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS next_start FROM starts)
+"""
+_EFFECTIVE_STEPS = f"""{_CUTOFFS}
 SELECT steps.* FROM steps JOIN cutoffs USING (attempt)
 WHERE (next_start IS NULL OR step < next_start) AND step BETWEEN ? AND ?
 ORDER BY step, attempt
@@ -287,6 +330,41 @@ def read_steps(run_dir: str | Path, *, effective: bool = False, steps: tuple[int
     """
     sql = _EFFECTIVE_STEPS if effective else _ALL_STEPS
     return _read_table(run_dir, sql, _step_types(), _STEP_KEY, (int(steps[0]), int(steps[1])))
+
+
+_CUSTOM_SELECT = f"SELECT {', '.join(CUSTOM_COLUMNS)} FROM {_CUSTOM_TABLE}"
+# The attempts' starts come from the step rows, not the custom ones: a later attempt abandons the custom
+# rows from its first step on even when it has reported no custom metric yet.
+_EFFECTIVE_CUSTOM = f"""{_CUTOFFS}
+{_CUSTOM_SELECT} JOIN cutoffs USING (attempt) WHERE next_start IS NULL OR step < next_start ORDER BY step, attempt, name
+"""
+_ALL_CUSTOM = f"{_CUSTOM_SELECT} ORDER BY step, attempt, name"
+
+
+def read_custom_metrics(run_dir: str | Path, *, effective: bool = False) -> pd.DataFrame:
+    """The user's own metrics (keel.monitor.custom_metrics), a row per step, attempt and name, ordered so;
+    columns CUSTOM_COLUMNS: step, attempt, name, value (NaN where the value was NaN or None). Empty for
+    a store written before they existed.
+
+    effective=True keeps the rows of the trajectory that counts, by the rule of read_steps(effective=True).
+    """
+    with closing(_connect_read_only(run_dir)) as conn:
+        found = _has_table(conn, _CUSTOM_TABLE)
+        df = _frame(conn, _EFFECTIVE_CUSTOM if effective else _ALL_CUSTOM) if found else None
+    return _typed_custom(df)
+
+
+def _typed_custom(df: pd.DataFrame | None) -> pd.DataFrame:
+    """Custom metric rows with their dtypes; None (no table) as no rows."""
+    if df is None:
+        import pandas as pd
+
+        df = pd.DataFrame()
+    return _typed(df, _CUSTOM_TYPES, _STEP_KEY)  # step and attempt are never NULL
+
+
+def _has_table(conn: sqlite3.Connection, table: str) -> bool:
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)).fetchone() is not None
 
 
 def read_attempt_starts(run_dir: str | Path) -> pd.Series:
@@ -397,6 +475,7 @@ class StoreMark:
     steps: int = 0
     rank_steps: int = 0
     events: int = 0
+    custom_metrics: int = 0  # its ids (0 while a store written before custom metrics has no such table)
     # The store read: its file, and (step, attempt, time) of its first step row. A store made anew in the
     # folder may get the deleted one's inode, not its first step's time.
     file: tuple[int, int] = (0, 0)
@@ -412,9 +491,15 @@ class Appended:
     events: pd.DataFrame  # as read_events
     first_rank_step: int | None  # the lowest step of the rank rows written since the mark; None: none were
     mark: StoreMark  # where this read left off
+    # As read_custom_metrics. A step written again comes again in `steps` with its custom rows as they are
+    # now: those read before for that (step, attempt) are void, even when none come.
+    custom: pd.DataFrame
 
 
-_TABLES = ("steps", "rank_steps", "events")
+_TABLES = ("steps", "rank_steps", "events", _CUSTOM_TABLE)
+# The last id handed out, not the highest id left: deleting a step's custom rows (the step written again)
+# must not move the mark back, which would read as another store.
+_END = {_CUSTOM_TABLE: f"SELECT COALESCE(MAX(seq), 0) FROM sqlite_sequence WHERE name = '{_CUSTOM_TABLE}'"}
 
 
 def read_appended(run_dir: str | Path, since: StoreMark | None = None) -> Appended:
@@ -425,19 +510,23 @@ def read_appended(run_dir: str | Path, since: StoreMark | None = None) -> Append
     file = _file_id(path)
     with closing(_connect_read_only(run_dir)) as conn:
         conn.execute("BEGIN")  # one snapshot for every table
-        ends = [conn.execute(f"SELECT COALESCE(MAX(rowid), 0) FROM {t}").fetchone()[0] for t in _TABLES]
+        tables = _TABLES if _has_table(conn, _CUSTOM_TABLE) else _TABLES[:-1]
+        ends = [conn.execute(_END.get(t, f"SELECT COALESCE(MAX(rowid), 0) FROM {t}")).fetchone()[0] for t in tables]
         mark = StoreMark(*ends, file=file, first_step=conn.execute(_FIRST_STEP).fetchone())
         fresh = since is None or not _grown_from(since, mark)
         since = StoreMark() if fresh else since
-        spans = dict(zip(_TABLES, zip((since.steps, since.rank_steps, since.events), ends)))
+        spans = dict(zip(tables, zip((since.steps, since.rank_steps, since.events, since.custom_metrics), ends)))
         steps = _frame(conn, "SELECT * FROM steps WHERE rowid > ? AND rowid <= ? ORDER BY step, attempt", spans["steps"])
         events = _frame(conn, "SELECT * FROM events WHERE id > ? AND id <= ? ORDER BY id", spans["events"])
         # NOT INDEXED: by rowid, not by scanning the step index until a new row turns up.
         sql = "SELECT MIN(step) FROM rank_steps NOT INDEXED WHERE rowid > ? AND rowid <= ?"
         first_rank_step = conn.execute(sql, spans["rank_steps"]).fetchone()[0]
+        sql = f"{_CUSTOM_SELECT} WHERE id > ? AND id <= ? ORDER BY step, attempt, name"
+        custom = _frame(conn, sql, spans[_CUSTOM_TABLE]) if _CUSTOM_TABLE in spans else None
     if _file_id(path) != file:  # a store made anew while this one was read: read that one
         return read_appended(run_dir)
-    return Appended(fresh, _typed(steps, _step_types(), _STEP_KEY), _typed_events(events), first_rank_step, mark)
+    steps, events = _typed(steps, _step_types(), _STEP_KEY), _typed_events(events)
+    return Appended(fresh, steps, events, first_rank_step, mark, _typed_custom(custom))
 
 
 _FIRST_STEP = "SELECT step, attempt, time FROM steps ORDER BY rowid LIMIT 1"
@@ -446,7 +535,8 @@ _FIRST_STEP = "SELECT step, attempt, time FROM steps ORDER BY rowid LIMIT 1"
 def _grown_from(before: StoreMark, now: StoreMark) -> bool:
     """Whether the store read now is the one read before, grown by appending only."""
     same = before.file == now.file and before.first_step in (None, now.first_step)
-    return same and now.steps >= before.steps and now.rank_steps >= before.rank_steps and now.events >= before.events
+    grown = now.steps >= before.steps and now.rank_steps >= before.rank_steps and now.events >= before.events
+    return same and grown and now.custom_metrics >= before.custom_metrics
 
 
 def _file_id(path: Path) -> tuple[int, int]:

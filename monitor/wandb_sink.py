@@ -1,5 +1,5 @@
-"""Weights & Biases channel: step metrics to the run's history, alerts to W&B alerts (email/Slack per the
-user's W&B settings).
+"""Weights & Biases channel: step metrics to the run's history (Keel's as train/<column>, the user's own
+as custom/<name>), alerts to W&B alerts (email/Slack per the user's W&B settings).
 
 mode "auto" logs online only when an API key is at hand (WANDB_API_KEY or a `wandb login` entry in
 ~/.netrc) and otherwise offline, under RUN_DIR/wandb/, for a later `wandb sync`. Offline never waits on
@@ -19,6 +19,7 @@ from typing import Any, get_args
 from keel.monitor import metric_registry
 from keel.monitor.alerts import describe
 from keel.monitor.config_fields import WandbMode
+from keel.monitor.custom_metrics import CUSTOM_KEY
 from keel.monitor.event_kinds import EventKind
 from keel.monitor.redact import redact, redact_argv
 from keel.monitor.run_dir import WANDB_DIR
@@ -26,6 +27,7 @@ from keel.monitor.sinks import Event, SinkError
 
 log = logging.getLogger("keel.monitor")
 
+CUSTOM_PREFIX = "custom/"  # the user's own metrics (keel.monitor.custom_metrics), beside Keel's train/<column>
 # An online wandb.init that cannot reach the server gives up after this long instead of wandb's 90 s.
 _INIT_TIMEOUT_S = 30.0
 
@@ -99,6 +101,7 @@ class WandbSink:
         Prometheus keep every step; W&B then gets the newest step at most every min_interval_s, the
         last and first step around each new attempt (a rollback stays visible), and the last step at close."""
         values = {f"train/{key}": row[key] for key in self._logged if row.get(key) is not None}
+        values |= {f"{CUSTOM_PREFIX}{name}": v for name, v in (row.get(CUSTOM_KEY) or {}).items() if v is not None}
         now = self._clock()
         new_attempt = row.get("attempt") != self._last_attempt
         if new_attempt and self._held is not None:

@@ -345,10 +345,11 @@ except SinkError as e:
     print(json.dumps({"error": str(e)}))
     sys.exit(0)
 init_s = time.monotonic() - start
-# Steps 1-3, then a rollback to step 1 under attempt 1: step numbers repeat.
+# Steps 1-3, then a rollback to step 1 under attempt 1: step numbers repeat. The user's own metrics on even steps.
 for step, attempt in [(1, 0), (2, 0), (3, 0), (2, 1), (3, 1), (4, 1)]:
+    custom = {"custom": {"val_acc": step / 10 + attempt}} if step % 2 == 0 else {}
     sink.on_step({"step": step, "attempt": attempt, "loss": 1.0 / step + attempt, "grad_norm": 0.5, "lr": 1e-3,
-                  "comm_share": None, "tokens": 4096}, [])
+                  "comm_share": None, "tokens": 4096, **custom}, [])
 sink.on_event({"time": time.time(), "step": 4, "attempt": 1, "rank": 0, "kind": "alert", "severity": "critical",
                "message": "loss is nan", "data": {"alert": "nonfinite_loss", "run_id": "run-42", "values": {}}})
 sink.close()

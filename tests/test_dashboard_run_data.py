@@ -17,6 +17,7 @@ from keel.monitor.store import (
     abandoned_mask,
     read_appended,
     read_attempt_starts,
+    read_custom_metrics,
     read_events,
     read_rank_bins,
     read_steps,
@@ -32,6 +33,8 @@ def write_steps(run_dir, steps, attempt: int, loss_shift: float = 0.0) -> None:
         for step in steps:
             row = {"step": step, "attempt": attempt, "time": 1.7e9 + 10 * attempt + step, "loss": 5.0 / step + loss_shift,
                    "step_time_s": 0.5 + 0.01 * (step % 7), "skipped": int(step % 13 == 0)}  # fmt: skip
+            # The user's own metrics: one every step, one every third step but on a step written again.
+            row["custom"] = {"val_loss": 6.0 / step + loss_shift} | ({"acc": step / 100} if step % 3 == 0 and not loss_shift else {})
             ranks = [{"rank": r, "step_time_s": 0.5 + 0.01 * r * step % 5, "comm_time_s": 0.1 * r if step % 2 else None,
                       "mem_peak_bytes": 1000 * r + step + attempt} for r in range(RANKS)]  # fmt: skip
             store.write_step(row, ranks)
@@ -49,7 +52,11 @@ def whole_read(run_dir, steps: tuple[int, int]) -> RunData:
     every, events = read_steps(run_dir, steps=steps), read_events(run_dir)
     rows = every.assign(segment=segments(every, abandoned_mask(every, read_attempt_starts(run_dir))))
     ranks = read_rank_bins(run_dir, steps, bin_width(steps, BINS))
-    return RunData(rows, events, ranks, compute_goodput(read_steps(run_dir), events))
+    every_custom = read_custom_metrics(run_dir)
+    custom = every_custom[every_custom.step.between(*steps)].reset_index(drop=True)
+    custom = custom.assign(segment=segments(custom, abandoned_mask(custom, read_attempt_starts(run_dir))))
+    names = tuple(sorted(every_custom.name.unique()))
+    return RunData(rows, events, ranks, compute_goodput(read_steps(run_dir), events), custom, names)
 
 
 # Each batch is what a trainer wrote between two refreshes.
@@ -73,6 +80,8 @@ def assert_same(got: RunData, want: RunData) -> None:
     pd.testing.assert_frame_equal(got.events, want.events, check_exact=True)
     pd.testing.assert_frame_equal(got.ranks, want.ranks, check_exact=True)
     assert got.goodput == want.goodput
+    pd.testing.assert_frame_equal(got.custom, want.custom, check_exact=True)
+    assert got.custom_names == want.custom_names
 
 
 def test_a_live_run_read_in_parts_equals_the_whole_store(tmp_path, monkeypatch):
@@ -88,6 +97,10 @@ def test_a_live_run_read_in_parts_equals_the_whole_store(tmp_path, monkeypatch):
     # Each batch's rows were read once (step 39 written again: one row), never the whole store again.
     assert reads[::3] == [30, 16, 1, 4, 19, 5, 1, 35, 0] and set(reads) - set(reads[::3]) <= {0}
     assert set(reader.read((1, 74)).rows.segment) == {"effective", "attempt 0", "attempt 1"}
+    # Step 39 written again without its acc: the row read before is gone from what the reader keeps.
+    custom = reader.read((1, 74)).custom
+    assert set(custom.segment) == {"effective", "attempt 0", "attempt 1"} and reader.read((1, 74)).custom_names == ("acc", "val_loss")
+    assert custom.query("step == 39 and attempt == 2").name.tolist() == ["val_loss"]
 
 
 def test_a_store_made_anew_in_the_folder_is_read_from_the_start(tmp_path):

@@ -55,7 +55,7 @@ def test_every_vocabulary_metric_is_exported_with_run_id():
         "keel_loss": "gauge", "keel_grad_norm": "gauge", "keel_learning_rate": "gauge", "keel_tokens_per_second": "gauge",
         "keel_mfu_ratio": "gauge", "keel_comm_share_ratio": "gauge", "keel_comm_share_max_ratio": "gauge", "keel_step": "gauge", "keel_attempt": "gauge",
         "keel_last_step_timestamp_seconds": "gauge", "keel_last_step_duration_seconds": "gauge", "keel_memory_peak_bytes": "gauge", "keel_rank_step_duration_seconds": "gauge",
-        "keel_rank_busy_seconds": "gauge", "keel_run_ended": "gauge", "keel_step_duration_seconds": "histogram", "keel_nonfinite_steps_total": "counter", "keel_loss_spikes_total": "counter",
+        "keel_rank_busy_seconds": "gauge", "keel_custom_metric": "gauge", "keel_run_ended": "gauge", "keel_step_duration_seconds": "histogram", "keel_nonfinite_steps_total": "counter", "keel_loss_spikes_total": "counter",
         "keel_rollbacks_total": "counter", "keel_data_skips_total": "counter", "keel_checkpoints_total": "counter",
         "keel_checkpoints_corrupt_total": "counter", "keel_hangs_total": "counter", "keel_oom_total": "counter",
         "keel_oom_retries_total": "counter",
