@@ -222,6 +222,15 @@ class FaultPlan:
                 window = _hook(fault, "corrupt_batch")(self, fault, batch_index, window, vocab_size)
         return window
 
+    def corrupt_batch_loss(self, batch_index: int, loss: torch.Tensor) -> torch.Tensor:
+        """Hook on the loss of batch `batch_index` in a loop whose batches Keel does not read (the loss stands
+        for its batch): hook(plan, fault, batch_index, loss) -> loss, for each fault whose steps read the
+        batch, at every read, as `corrupt_batch`."""
+        for fault in self.faults:
+            if "corrupt_batch_loss" in KINDS[fault.kind].hooks and fault.step - 1 <= batch_index < fault.step - 1 + fault.steps:
+                loss = _hook(fault, "corrupt_batch_loss")(self, fault, batch_index, loss)
+        return loss
+
 
 def _hook(fault: Fault, point: str) -> Callable:
     """The function the fault's kind names for this hook point, from the kind's module (imported here, in
@@ -269,6 +278,18 @@ def random_bytes(plan: FaultPlan, fault: Fault, batch_index: int, window: np.nda
         return window
     plan.fire(fault, f"batch {batch_index} replaced by random bytes", marker=False)
     return np.random.default_rng([fault.step, batch_index]).integers(0, min(256, vocab_size), size=window.shape)
+
+
+# What a batch of random bytes does to a trained model's loss on text: about ln 256 = 5.5 against 1.5-2.5.
+SPIKED_LOSS_FACTOR = 4.0
+
+
+def spiked_loss(plan: FaultPlan, fault: Fault, batch_index: int, loss: torch.Tensor) -> torch.Tensor:
+    """spike with data=1, in a loop whose data Keel does not read: the batch's loss times SPIKED_LOSS_FACTOR."""
+    if not fault.data:
+        return loss
+    plan.fire(fault, f"batch {batch_index}'s loss x{SPIKED_LOSS_FACTOR:g}", marker=False)
+    return loss * SPIKED_LOSS_FACTOR
 
 
 def data_corrupt(plan: FaultPlan, fault: Fault, batch_index: int, window: np.ndarray, vocab_size: int) -> np.ndarray:

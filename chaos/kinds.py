@@ -24,7 +24,7 @@ from keel.monitor.event_kinds import EventKind
 PLUGINS_ENV = "KEEL_FAULT_KINDS"
 # Where hooks run: the keel.chaos.faults.FaultPlan methods the trainer calls (their docstrings give the
 # arguments a hook gets there and what it returns).
-POINTS = ("lr_scale", "at_step_start", "corrupt_loss", "corrupt_grads", "before_collective", "corrupt_batch")
+POINTS = ("lr_scale", "at_step_start", "corrupt_loss", "corrupt_grads", "before_collective", "corrupt_batch", "corrupt_batch_loss")
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,9 @@ KINDS = {
         ("rank", "into"),
     ),
     "spike": Kind(
-        "a real loss spike: the batches of steps S..S+K-1 replaced by random bytes (data=1) and/or the LR times lr=F",
-        {"lr_scale": "lr_surge", "corrupt_batch": "random_bytes"},
+        "a real loss spike: the batches of steps S..S+K-1 replaced by random bytes (data=1; in a loop whose data Keel does not "
+        "read, their loss times 4) and/or the LR times lr=F",
+        {"lr_scale": "lr_surge", "corrupt_batch": "random_bytes", "corrupt_batch_loss": "spiked_loss"},
         _SPIKE,
         {"spike": "spike@step={S},steps=5", "lr_surge": "spike@step={S},steps=3,lr=100,data=0"},
         ("lr", "data"),

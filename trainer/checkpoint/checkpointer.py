@@ -8,6 +8,10 @@ the data and the parallel layout (keel.trainer.checkpoint.manifest), the code ve
 renames the folder to step-XXXXXXXX. A folder without that name was never finished and is never loaded.
 Loading verifies the hashes; a corrupt checkpoint is renamed *.corrupt, reported, and the next older one
 is tried. A resume also refuses a checkpoint of another model or data.
+
+The model is any module (Keel's trainer passes its pipeline parts as one `WholeModel`; a user's loop its
+own model, DDP or FSDP2), with its optimizer; a user's loop adds its LR scheduler and the host's random
+generators (Python's, NumPy's), pickled into the checkpoint as bytes (DCP stores a non-tensor as an object).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import importlib.metadata
 import json
 import logging
 import os
+import pickle
+import random
 import shutil
 import threading
 import time
@@ -26,6 +32,7 @@ from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -100,11 +107,13 @@ class Checkpointer:
         self,
         cfg: CheckpointConfig,
         run_dir: str | Path,
-        parts: list[nn.Module],
+        model: nn.Module,
         optimizer: torch.optim.Optimizer,
         rank: int,
         world: int,
         manifest_info: dict,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        host_rng: bool = False,
     ):
         self.cfg, self.rank, self.world = cfg, rank, world
         if world == 1:
@@ -116,7 +125,7 @@ class Checkpointer:
                 "ignore", message="torch.distributed is disabled, unavailable or uninitialized", module=r"torch\.distributed\.checkpoint"
             )
         self.dir = Path(run_dir) / CHECKPOINT_DIR
-        self.model, self.optimizer = WholeModel(parts), optimizer
+        self.model, self.optimizer, self.scheduler, self.host_rng = model, optimizer, scheduler, host_rng
         self.manifest_info = manifest_info  # this run's model, data, layout and code, as a manifest records them
         # A save in flight runs its own collectives from DCP's thread; a group of its own keeps them
         # from interleaving with the training collectives.
@@ -163,12 +172,22 @@ class Checkpointer:
         self.save(step, train_state(), now)
         return True
 
+    def check_saveable(self) -> None:
+        """Builds the state a save writes, without writing it: torch's error, at once, for a model or optimizer
+        that cannot be saved, rather than at the first save."""
+        self._state()
+
     def _state(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
         rng = {f"rank{self.rank}": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng[f"cuda_rank{self.rank}"] = torch.cuda.get_rng_state()
-        return {"model": model_sd, "optim": optim_sd, "rng": rng}
+        if self.host_rng:
+            rng[f"host_rank{self.rank}"] = pickle.dumps((random.getstate(), np.random.get_state()))
+        state = {"model": model_sd, "optim": optim_sd, "rng": rng}
+        if self.scheduler is not None:
+            state["lr_scheduler"] = pickle.dumps(self.scheduler.state_dict())
+        return state
 
     def save(self, step: int, train_state: dict, now: float) -> float:
         """Starts saving the state after `step`; returns how long this call blocked (seconds).
@@ -323,6 +342,12 @@ class Checkpointer:
             torch.set_rng_state(state["rng"][f"rank{self.rank}"])
         if f"cuda_rank{self.rank}" in state["rng"]:
             torch.cuda.set_rng_state(state["rng"][f"cuda_rank{self.rank}"])
+        if f"host_rank{self.rank}" in state["rng"]:
+            python_state, numpy_state = pickle.loads(state["rng"][f"host_rank{self.rank}"])
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(pickle.loads(state["lr_scheduler"]))
         self.saved_step, self.saved_time = step, time.time()
         if self.world > 1:
             dist.barrier()
