@@ -6,6 +6,9 @@ loop). Each run is judged from its run store (keel.chaos.verdict) and the result
 RUN_DIR/drills/<id>/report.md, report.json and plot.png (keel.chaos.report). The exit code is 1 when
 any drill fails, so a job script can gate on it.
 
+`--command` drills a user's own script instead (a loop that opens its run with keel.trainer.toolkit's
+`open_run`): each run is that command, with the drill's settings and faults in KEEL_ARGS, judged the same way.
+
 The drill changes only what makes it short and quick to judge: the number of steps, a checkpoint
 every few steps, a watchdog floor of seconds, frequent communication sampling, and no exporters or
 alert channels (a drill must not page anyone). Everything else is the job's.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -33,7 +37,8 @@ from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from keel.monitor.run_dir import DRILL_DIR, STORE_FILE
 from keel.monitor.store import read_events, read_steps
 from keel.trainer.config import ConfigError, JobConfig
-from keel.trainer.launch.launcher import parse_train_args, resolve_run_dir
+from keel.trainer.launch.launcher import build_parser as train_parser
+from keel.trainer.launch.launcher import loop_layout_flags, parse_train_args, resolve_run_dir
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watchdog-floor", type=float, default=5.0, help="watchdog.floor_s of the drill runs (default 5 s)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take before it counts as failed (default 900)")
     p.add_argument(
+        "--command",
+        help="drill this command line (quoted) in place of `keel train`: a script whose loop opens its run with "
+        "keel.trainer.toolkit.open_run, which reads the drill's settings from KEEL_ARGS; give the job's world with --dp, "
+        "and let its torchrun restart (--max-restarts) for the restart drills",
+    )
+    p.add_argument(
         "--jobs",
         type=int,
         default=1,
@@ -104,11 +115,14 @@ class DrillSetup:
     timeout: float
     jobs: int
     folder: Path
+    command: list[str] | None = None  # a user's script to drill in place of `keel train`
 
 
 def parse_drill_args(argv: list[str]) -> tuple[DrillSetup, list[Drill]]:
     """The drill's setup and drills. Raises ConfigError (one line) on bad input."""
     opts, job_argv = build_parser().parse_known_args(argv)
+    if opts.command is not None:  # a user's loop is data parallel over its world (--dp), whatever Keel's default job is
+        job_argv = [*loop_layout_flags(train_parser().parse_known_args(job_argv)[0].dp or 1), *job_argv]
     cfg, _ = parse_train_args(job_argv)
     steps = opts.drill_steps or cfg.spike.warmup_steps + 30
     fault_step = opts.fault_step or cfg.spike.warmup_steps + 10
@@ -126,8 +140,11 @@ def parse_drill_args(argv: list[str]) -> tuple[DrillSetup, list[Drill]]:
     folder = Path(cfg.run.run_dir) / DRILL_DIR / ("drill-" + time.strftime("%Y%m%d-%H%M%S"))
     if opts.jobs < 1:
         raise ConfigError(f"--jobs={opts.jobs}: must be at least 1")
+    command = shlex.split(opts.command) if opts.command is not None else None
+    if command == []:
+        raise ConfigError("--command: empty; give the script's command line, e.g. 'torchrun --nproc-per-node 2 --max-restarts 3 train.py'")
     setup = DrillSetup(
-        cfg, job_argv, steps, fault_step, fault_rank, opts.checkpoint_every, opts.watchdog_floor, opts.timeout, opts.jobs, folder
+        cfg, job_argv, steps, fault_step, fault_rank, opts.checkpoint_every, opts.watchdog_floor, opts.timeout, opts.jobs, folder, command
     )
     return setup, select_drills(opts.suite, opts.faults, cfg.recovery.nonfinite_limit)
 
@@ -183,9 +200,9 @@ class Progress:
         elif final:
             print(line, file=sys.stderr, flush=True)
 
-    def run(self, label: str, cmd: list[str], log_path: Path, timeout: float) -> int:
+    def run(self, label: str, cmd: list[str], log_path: Path, timeout: float, env: dict[str, str] | None = None) -> int:
         start = time.monotonic()
-        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
         timed_out = False
         with (
             open(log_path, "w") as log,
@@ -214,11 +231,7 @@ class DrillRunner:
     def train(self, name: str, extra: list[str]) -> tuple[Path, int]:
         s = self.setup
         run_dir = s.folder / "runs" / name
-        cmd = [
-            sys.executable,
-            "-m",
-            "keel.cli",
-            "train",
+        flags = [
             *s.job_argv,
             f"--run-dir={run_dir}",
             f"--steps={s.steps}",
@@ -231,8 +244,10 @@ class DrillRunner:
             "--chaos.mtbf_steps=0",
             *extra,
         ]
-        code = self.progress.run(name, cmd, s.folder / "runs" / f"{name}.log", s.timeout)
-        return run_dir, code
+        log_path = s.folder / "runs" / f"{name}.log"
+        if s.command is not None:  # the user's script reads the flags from KEEL_ARGS (keel.trainer.toolkit.loop)
+            return run_dir, self.progress.run(name, s.command, log_path, s.timeout, {"KEEL_ARGS": shlex.join(flags)})
+        return run_dir, self.progress.run(name, [sys.executable, "-m", "keel.cli", "train", *flags], log_path, s.timeout)
 
 
 def expand(drill: Drill, setup: DrillSetup, step_time_s: float) -> list[str]:
@@ -246,8 +261,10 @@ def expand(drill: Drill, setup: DrillSetup, step_time_s: float) -> list[str]:
     return [t.format(**values) for t in drill.faults]
 
 
-def applicable(drill: Drill, cfg: JobConfig) -> str | None:
-    """Why a drill cannot run at this layout, or None."""
+def applicable(drill: Drill, cfg: JobConfig, command: list[str] | None = None) -> str | None:
+    """Why a drill cannot run at this layout (or in a user's script, `command`), or None."""
+    if command is not None and EventKind.OOM in drill.expect.detect:
+        return "a loop Keel did not write splits its own micro-batches: Keel halves only its own trainer's"
     stage_ranks = cfg.parallel.dp * cfg.parallel.tp
     if stage_ranks < drill.expect.min_stage_ranks:
         return (
@@ -260,15 +277,18 @@ def applicable(drill: Drill, cfg: JobConfig) -> str | None:
 def run_drills(setup: DrillSetup, drills: list[Drill]) -> list[DrillResult]:
     """The reference first (its step time sizes the straggler delays), then every fault run, then one
     reference per distinct set of skipped batches; `setup.jobs` runs at a time."""
-    if all(applicable(d, setup.cfg) for d in drills):  # nothing can run at this layout: no reference needed
-        return [DrillResult(d.name, expand(d, setup, 0.0), "n/a", [applicable(d, setup.cfg)], fault_step=setup.fault_step) for d in drills]
+    if all(applicable(d, setup.cfg, setup.command) for d in drills):  # nothing can run at this layout: no reference needed
+        return [
+            DrillResult(d.name, expand(d, setup, 0.0), "n/a", [applicable(d, setup.cfg, setup.command)], fault_step=setup.fault_step)
+            for d in drills
+        ]
     runner = DrillRunner(setup, len(drills) + 1)
     reference, code = runner.train("reference", [])
     if code != 0:
         raise RuntimeError(f"the fault-free reference run failed (exit {code}); see {setup.folder / 'runs' / 'reference.log'}")
     ref_steps = read_steps(reference, effective=True)
     step_time = float(ref_steps.step_time_s.iloc[len(ref_steps) // 2 :].median())
-    plans = {d.name: (d, expand(d, setup, step_time), applicable(d, setup.cfg)) for d in drills}
+    plans = {d.name: (d, expand(d, setup, step_time), applicable(d, setup.cfg, setup.command)) for d in drills}
     runnable = [(d, specs) for d, specs, why_not in plans.values() if why_not is None]
     runner.progress.total -= len(drills) - len(runnable)
     with ThreadPoolExecutor(setup.jobs) as pool:

@@ -99,6 +99,7 @@ class StepNumbers:
     # On a profiled CPU step, the most bytes of tensors this rank held (kept per rank in the run's meta,
     # ALLOCATED_PEAK_META, for `keel plan --check`).
     allocated_peak: int | None = None
+    custom: dict[str, float] | None = None  # a user's loop's own metrics (rank 0's are recorded)
 
 
 class StepReporter:
@@ -178,6 +179,8 @@ class StepReporter:
             "mem_peak_bytes": int(mems.max()),
             "skipped": int(numbers.skipped),
         }
+        if numbers.custom:
+            row["custom"] = numbers.custom
         if self.recorder is not None:
             keep_ranks = numbers.sampled or comm_time is not None or self.rank_rows_every_step
             self.recorder.step(row, rank_rows(step, attempt, step_times, comm_times, data_times, mems) if keep_ranks else [])

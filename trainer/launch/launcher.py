@@ -143,6 +143,12 @@ def parse_train_args(argv: list[str], world_size: int | None = None) -> tuple[Jo
     return cfg, opts
 
 
+def loop_layout_flags(world: int) -> list[str]:
+    """A loop Keel did not write (keel.trainer.toolkit), in `keel train`'s terms: data parallel over its whole
+    world. Its batch is its own: the trainer's batch fields only have to pass their checks."""
+    return ["--pp=1", "--tp=1", f"--dp={world}", f"--training.global_batch_size={world}", "--training.microbatches=1"]
+
+
 def resume_config(run_dir: str) -> Path:
     path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():

@@ -7,14 +7,17 @@ import logging
 import os
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from keel.trainer.parallel.parallelize import Layout
+if TYPE_CHECKING:  # a name for the annotation only: the sum over ranks serves loops without Keel's layout
+    from keel.trainer.parallel.parallelize import Layout
 
 # The train loop's logger: these lines belong to its start-up and recovery story in the rank logs.
 log = logging.getLogger("keel.train")
+_namespaced = False  # whether init_distributed started this process's group (see store_namespaced_per_restart)
 
 
 def init_distributed(startup_timeout_s: float = 600.0) -> tuple[torch.device, int, int]:
@@ -37,6 +40,8 @@ def init_distributed(startup_timeout_s: float = 600.0) -> tuple[torch.device, in
         # After a torchrun restart the rendezvous store still holds the previous group's keys (its
         # workers' addresses); a fresh namespace per restart keeps the new group from reading them.
         store = dist.PrefixStore(f"keel/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store)
+        global _namespaced
+        _namespaced = True
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
             device_id=device if device.type == "cuda" else None,
@@ -46,6 +51,14 @@ def init_distributed(startup_timeout_s: float = 600.0) -> tuple[torch.device, in
             timeout=timeout,
         )
     return device, rank, world
+
+
+def store_namespaced_per_restart() -> bool:
+    """Whether this process's group was started by init_distributed, whose store keys are new at each torchrun
+    restart. A group started by torch's own init_process_group shares the rendezvous store with the attempts
+    before it (torch 2.13): a subgroup made after a restart (dist.new_group) reads the dead attempt's
+    addresses under the same name and fails to connect."""
+    return _namespaced
 
 
 def set_collective_timeout(layout: Layout, seconds: float) -> None:
