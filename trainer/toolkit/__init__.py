@@ -13,7 +13,7 @@ docs/any-loop.md shows each, with the lines a loop adds.
 
 from keel.trainer.parallel.distributed import init_distributed
 from keel.trainer.toolkit.data_position import DataPosition, ResumableBatchSampler
-from keel.trainer.toolkit.loop import KeelUsageError, LoopRun, open_run
-from keel.trainer.toolkit.run import KeelRun
+from keel.trainer.toolkit.loop import LoopRun, open_run
+from keel.trainer.toolkit.run import KeelRun, KeelUsageError
 
 __all__ = ["DataPosition", "KeelRun", "KeelUsageError", "LoopRun", "ResumableBatchSampler", "init_distributed", "open_run"]

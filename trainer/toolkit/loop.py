@@ -28,7 +28,9 @@ import logging
 import math
 import os
 import shlex
+import tomllib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,34 +41,49 @@ from keel.monitor.custom_metrics import check_custom_metric_name
 from keel.monitor.run_dir import list_checkpoints
 from keel.trainer import exposed_comm, flops
 from keel.trainer.checkpoint.checkpointer import manifest_info
-from keel.trainer.config import JobConfig
+from keel.trainer.config import ConfigError, JobConfig
 from keel.trainer.data.loader import parse_skip_ranges
 from keel.trainer.launch.launcher import loop_layout_flags, parse_train_args, resolve_run_dir
 from keel.trainer.parallel.distributed import store_namespaced_per_restart, sum_over_ranks
 from keel.trainer.step_metrics import StepNumbers
 from keel.trainer.toolkit.data_position import DataPosition
 from keel.trainer.toolkit.grads import clip_grads, global_grad_norm
-from keel.trainer.toolkit.run import KeelRun, own_run_dir
+from keel.trainer.toolkit.run import KeelRun, KeelUsageError, own_run_dir
 
 log = logging.getLogger("keel.run")
 ENV_ARGS = "KEEL_ARGS"  # `keel train`'s flags, for a run started without a change to its code (keel drill)
 ENV_CONFIG = "KEEL_CONFIG"  # a TOML file of `keel train`'s settings
 
 
-class KeelUsageError(RuntimeError):
-    """The API was called in a way Keel cannot record or recover: the message says which call and the fix."""
-
-
 def loop_config(steps: int, world: int, config: dict[str, Any] | None = None) -> JobConfig:
-    """The run's settings: `keel train`'s defaults, then `config`, KEEL_CONFIG's file and KEEL_ARGS's flags.
-    Raises ConfigError (one line) on a bad field."""
-    argv = [f"--training.steps={steps}"]
-    argv += [f"--{key}={';'.join(map(str, v)) if isinstance(v, list) else v}" for key, v in (config or {}).items()]
+    """The run's settings: `keel train`'s defaults, then `config`, KEEL_CONFIG's file and KEEL_ARGS's flags,
+    each over the one before. Raises ConfigError (one line) on a bad field."""
+    argv = [f"--training.steps={steps}", *_flags(config or {})]
     if os.environ.get(ENV_CONFIG):
-        argv.append(f"--config={os.environ[ENV_CONFIG]}")
+        argv += _flags(_read_table(os.environ[ENV_CONFIG]))
     argv += shlex.split(os.environ.get(ENV_ARGS, ""))
     cfg, _ = parse_train_args([*argv, *loop_layout_flags(world)], world_size=world)
     return cfg
+
+
+def _read_table(path: str) -> dict[str, Any]:
+    """KEEL_CONFIG's TOML file as dotted fields."""
+    try:
+        table = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"{ENV_CONFIG}={path}: cannot read it as TOML ({e})") from None
+    return {f"{section}.{key}": value for section, fields in table.items() if isinstance(fields, dict) for key, value in fields.items()}
+
+
+def _flags(fields: dict[str, Any]) -> list[str]:
+    """Dotted fields as `keel train`'s flags (a list joined by ';', as --chaos.faults takes it)."""
+
+    def text(value: Any) -> str:
+        if isinstance(value, bool):
+            return str(value).lower()
+        return ";".join(map(str, value)) if isinstance(value, list) else str(value)
+
+    return [f"--{key}={text(value)}" for key, value in fields.items()]
 
 
 def open_run(
@@ -86,7 +103,11 @@ def open_run(
     `tokens_per_step` over all ranks gives tokens/s; with `flops_per_token` too, MFU. Raises ConfigError
     for a bad setting and KeelUsageError for what Keel cannot checkpoint, before any step."""
     keel, owner = new_keel_run(steps, next(model.parameters()).device, run_dir, config)
-    return LoopRun(keel, owner, model, optimizer, scheduler, data, tokens_per_step, flops_per_token)
+    try:
+        return LoopRun(keel, owner, model, optimizer, scheduler, data, tokens_per_step, flops_per_token)
+    except BaseException:
+        owner.__exit__(None, None, None)  # refused before any step: the directory is free again
+        raise
 
 
 def new_keel_run(
@@ -263,7 +284,7 @@ def _check_checkpointable(keel: KeelRun) -> None:
     """Builds the checkpoint's state once, so a model or optimizer Keel cannot save is refused at open."""
     try:
         keel.checkpointer.check_saveable()
-    except Exception as e:  # noqa: BLE001 (any failure of torch's state-dict code means the same thing here)
+    except Exception as e:  # any failure of torch's state-dict code means the same thing here
         raise KeelUsageError(
             f"open_run: Keel cannot checkpoint this model and optimizer ({type(e).__name__}: {e}); "
             "pass the model the optimizer was built on (DDP or FSDP2-wrapped is fine)"

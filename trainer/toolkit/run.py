@@ -54,6 +54,10 @@ log = logging.getLogger("keel.run")
 _fault_log = None  # the file faulthandler writes a crash's stacks to (see setup_logging)
 
 
+class KeelUsageError(RuntimeError):
+    """The API was called in a way Keel cannot record or recover: the message says which call and the fix."""
+
+
 class KeelRun:
     """One rank's share of a run's recording, guarding, watching and fault injection. `step` is the step
     running (begin_step .. end_step) or the last one finished; a rollback moves it back."""
@@ -188,6 +192,14 @@ class KeelRun:
     def running(self) -> bool:
         """Whether another step is due: the run has not stopped and has steps left."""
         return self.exit_code == EXIT_OK and self.step < self.cfg.training.steps
+
+    def follow_step(self, step: int) -> None:
+        """For a framework that counts its own steps (HF's global_step, Lightning's): the next step is `step`,
+        so Keel's step numbers are the framework's. Steps only go forward: a step numbered at or before one
+        already recorded would mix two trajectories under one attempt (a rollback is Keel's to make)."""
+        if step <= self.step:
+            raise KeelUsageError(f"step {step} after step {self.step}: steps must go forward; a rollback is Keel's to make")
+        self.step = step - 1
 
     def begin_step(self) -> int:
         """Starts the next step: the watchdog's beat, the fault plan's step. Returns the step."""
