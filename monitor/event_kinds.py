@@ -43,3 +43,5 @@ class EventKind(StrEnum):
     CHECKPOINT_LOADED = "checkpoint_loaded"
     CHECKPOINT_MISSING = "checkpoint_missing"  # nothing good to resume from: step 1
     LAYOUT_CHANGED = "layout_changed"  # resumed at another parallel layout
+    # Written by a user's loop (keel.trainer.toolkit: LoopRun.note).
+    NOTE = "note"  # something the loop itself wants on the record: an evaluation, a data change, a manual fix

@@ -86,7 +86,9 @@ def train(run_dir, steps: int, total: int | None = None) -> list[float]:
     sampler = ResumableBatchSampler(len(data) - BLOCK - 1, 4, seed=1)
     config = {**QUIET, "checkpoint.interval_steps": 3}
     run = open_run(model, optimizer, scheduler=scheduler, data=sampler, steps=steps, run_dir=str(run_dir), config=config)
-    for _ in run.steps():
+    for step in run.steps():
+        if step == 2:
+            run.note("evaluated", eval_loss=1.5)
         offsets = torch.tensor(sampler.next_indices())[:, None] + torch.arange(BLOCK)
         loss = run.loss(model(data[offsets], data[offsets + 1]))
         loss.backward()
@@ -105,6 +107,8 @@ def test_a_loop_stopped_and_started_again_resumes_bit_identically(tmp_path):
     assert resumed == whole
     events = read_events(tmp_path / "parts")
     assert events.query("kind == 'checkpoint_loaded'").step.tolist() == [4]
+    note = read_events(tmp_path / "whole").query("kind == 'note'").iloc[0]
+    assert (note.step, note.message, note.data) == (2, "evaluated", {"eval_loss": 1.5})
     assert read_steps(tmp_path / "parts").groupby("attempt").step.agg(["min", "max"]).values.tolist() == [[1, 4], [5, 8]]
 
 

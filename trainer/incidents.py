@@ -254,6 +254,9 @@ class Incidents:
                     alert="straggler",
                 )
 
+    def note(self, message: str, step: int, attempt: int, data: dict) -> None:
+        self._note(EventKind.NOTE, message, step=step, attempt=attempt, rank=0, data=data or None)
+
     def stopped(self, step: int, attempt: int, reason: str, exit_code: int) -> None:
         self._note(
             EventKind.RUN_STOPPED,

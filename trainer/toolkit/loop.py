@@ -255,6 +255,10 @@ class LoopRun:
             check_custom_metric_name(name)
             self._custom[name] = float(value)
 
+    def note(self, message: str, **data: Any) -> None:
+        """An event of the loop's own at this step (rank 0's is recorded): the dashboard marks it among Keel's."""
+        self.keel.incidents.note(message, self.step, self.keel.attempt, data)
+
     def _end(self, comm_time: float | None, sampled: bool) -> None:
         if self._grad_norm is None:
             raise KeelUsageError(
