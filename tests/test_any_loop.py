@@ -32,11 +32,11 @@ def torchrun(*script_args: str, restarts: int = 3) -> list[str]:
             str(EXAMPLE), "--steps=200", *script_args]  # fmt: skip
 
 
-def run_loop(run_dir: Path, *keel_args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_loop(run_dir: Path, *keel_args: str, script_args: tuple[str, ...] = (), timeout: float = 300) -> subprocess.CompletedProcess:
     """The example under torchrun with Keel's settings in KEEL_ARGS, as a user launches it."""
     flags = [f"--run-dir={run_dir}", "--steps=30", "--monitor.wandb=false", "--spike.warmup_steps=10", *keel_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "KEEL_ARGS": shlex.join(flags)}
-    proc = subprocess.run(torchrun(), env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(torchrun(*script_args), env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
@@ -97,12 +97,14 @@ def test_a_hang_in_a_users_loop_is_ended_and_resumed(loop_drill):
 
 
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
-    """A NaN put into one rank's gradients after DDP's all-reduce: every rank must skip the step, or the
-    replicas part ways. Two runs, the NaN on rank 1 and on rank 0, then follow the same trajectory exactly:
-    where only the NaN rank skipped, each run would have the other replica updated and the losses would differ."""
+    """A NaN put into one rank's gradient shard after FSDP2's reduce-scatter: every rank must skip the step,
+    or half the model moves. Two runs, the NaN on rank 1 and on rank 0, then follow the same trajectory
+    exactly: where only the NaN rank skipped, each run would have the other rank's shards updated and the
+    losses would differ. (DDP's replicas are drilled by the standard suite above.)"""
     runs = {}
     for rank in (0, 1):
-        run_loop(tmp_path / f"nan-rank{rank}", f"--fault=nan@step=15,rank={rank},into=grad", "--monitor.prometheus=false")
+        nan = f"--fault=nan@step=15,rank={rank},into=grad"
+        run_loop(tmp_path / f"nan-rank{rank}", nan, "--monitor.prometheus=false", script_args=("--fsdp",))
         runs[rank] = read_steps(tmp_path / f"nan-rank{rank}", effective=True)
     for steps in runs.values():
         assert steps.set_index("step").skipped.to_dict()[15] == 1 and steps.skipped.sum() == 1
