@@ -120,7 +120,7 @@ def test_a_users_loop_on_prometheus_and_the_dashboard(tmp_path, monkeypatch):
     with start_prometheus(tmp_path / "prom", [f"127.0.0.1:{port}"], [], None) as prom:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         flags = [f"--run-dir={run_dir}", "--run.run_id=watched", "--steps=30", "--monitor.wandb=false",
-                 f"--monitor.prometheus_port={port}", "--monitor.prometheus_linger_s=15"]  # fmt: skip
+                 f"--monitor.prometheus_port={port}", "--monitor.prometheus_linger_s=6"]  # fmt: skip
         proc = subprocess.Popen(torchrun(), env={**env, "KEEL_ARGS": shlex.join(flags)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
             # Scraped while the loop trains (or lingers after it): the loss of a step the store holds.
