@@ -43,6 +43,15 @@ def test_a_batch_is_the_same_at_any_world_size_and_position():
     assert isinstance(BatchSampler(np.arange(1000), 8, 4, 0, 1, 0), DataPosition)  # Keel's own sampler follows it too
 
 
+def test_a_huge_dataset_is_sampled_without_an_epochs_permutation():
+    huge = [ResumableBatchSampler(10**12, 8, rank, 2, seed=3) for rank in range(2)]
+    whole = ResumableBatchSampler(10**12, 8, seed=3)
+    for _ in range(3):
+        indices = whole.next_indices()
+        assert indices == huge[0].next_indices() + huge[1].next_indices() and max(indices) < 10**12
+    assert whole._order.size == 0  # no 8 TB permutation
+
+
 def test_bad_sampler_input_is_one_line():
     with pytest.raises(ValueError, match="global_batch_size=6: must be a positive multiple of the world size 4"):
         ResumableBatchSampler(100, 6, 0, 4)

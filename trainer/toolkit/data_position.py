@@ -34,10 +34,16 @@ class DataPosition(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
+# Above this many samples an epoch's permutation (8 bytes a sample, on every rank) is not built: each batch
+# is drawn with replacement from a generator seeded by (seed, batch index), as Keel's own sampler draws windows.
+SHUFFLE_LIMIT = 1 << 24
+
+
 class ResumableBatchSampler:
     """Batches of dataset indices for one rank, drawn from a seeded shuffle of each epoch: batch i is the
     i-th `global_batch_size` indices of epoch i // batches_per_epoch's permutation, and each of the `world`
-    ranks takes its own rows of it, so the union over ranks is the same batch at any world size.
+    ranks takes its own rows of it, so the union over ranks is the same batch at any world size. Above
+    SHUFFLE_LIMIT samples a batch is drawn with replacement from a generator seeded by (seed, i).
 
     Use it as a DataLoader's `batch_sampler` with `num_workers=0` (the loader then asks for each batch when
     the loop does, so a rollback's jump takes effect at the next batch), or call `next_indices()` yourself.
@@ -59,13 +65,17 @@ class ResumableBatchSampler:
         """This rank's dataset indices of the next batch; moves on by one batch."""
         while self.batch_index in self.skip_ranges:
             self.batch_index = self.skip_ranges[self.batch_index]
-        epoch, within = divmod(self.batch_index, self.batches_per_epoch)
-        if epoch != self._epoch:
-            self._epoch, self._order = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
         local = self.global_batch_size // self.world
-        first = within * self.global_batch_size + self.rank * local
+        if self.num_samples > SHUFFLE_LIMIT:
+            batch = np.random.default_rng([self.seed, self.batch_index]).integers(0, self.num_samples, self.global_batch_size)
+            first = self.rank * local
+        else:
+            epoch, within = divmod(self.batch_index, self.batches_per_epoch)
+            if epoch != self._epoch:
+                self._epoch, self._order = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            batch, first = self._order, within * self.global_batch_size + self.rank * local
         self.batch_index += 1
-        return self._order[first : first + local].tolist()
+        return batch[first : first + local].tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
         while True:  # as many batches as the loop takes: the loop's step count ends it
