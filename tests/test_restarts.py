@@ -124,7 +124,12 @@ def test_each_failure_gets_one_console_line_naming_the_rank_and_none_of_torchrun
     lines = [line for line in proc.stderr.splitlines() if "ended by" in line and line.startswith("keel train: rank")]
     assert len(lines) == 3 and all(line.startswith("keel train: rank 1 ended by SIGKILL after step 9") for line in lines), proc.stderr
     assert "Traceback" not in proc.stderr and "torch/distributed" not in proc.stderr
-    assert "ProcessExitedException" in (run_dir / "logs" / "agent.log").read_text()  # kept, in the logs
+    # Kept, in the logs: torchrun's traceback of each failure. Which rank's exception it names is a race: the
+    # killed rank's exit (ProcessExitedException), or its peer's "connection closed" in a collective
+    # (ProcessRaisedException), whichever the fork server's wait returns first.
+    agent_log = (run_dir / "logs" / "agent.log").read_text()
+    assert agent_log.count("Traceback") >= 3 and "ChildFailedError" in agent_log
+    assert "ProcessExitedException" in agent_log or "ProcessRaisedException" in agent_log
 
 
 def test_a_restart_event_names_the_failed_rank_its_signal_and_the_injected_fault(crash_loop):

@@ -48,7 +48,7 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig, device: torch.device, rank: int, world: int, process_start: float | None = None):
         self.cfg, self.device, self.rank, self.world = cfg, device, rank, world
-        self.run = run = KeelRun(cfg, rank, world, device, process_start)
+        self.run = run = KeelRun(cfg, rank, world, device, process_start, program="keel train")
         self.run_dir = run.run_dir
         self.microbatch_state = oom.load_state(cfg, self.run_dir, run.resuming)
         oom_note = self.microbatch_state.note()

@@ -62,8 +62,11 @@ class KeelRun:
     """One rank's share of a run's recording, guarding, watching and fault injection. `step` is the step
     running (begin_step .. end_step) or the last one finished; a rollback moves it back."""
 
-    def __init__(self, cfg: JobConfig, rank: int, world: int, device: torch.device, process_start: float | None = None):
+    def __init__(
+        self, cfg: JobConfig, rank: int, world: int, device: torch.device, process_start: float | None = None, program: str = "keel"
+    ):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.program = program  # what its one-line errors begin with
         self.process_start = process_start or time.time()
         self.run_dir = Path(cfg.run.run_dir)
         setup_logging(self.run_dir, rank)
@@ -183,7 +186,7 @@ class KeelRun:
         """Ends the run before its first step with EXIT_CONFIG. Stopping on purpose: recorded as
         `run_stopped`, and the workers end cleanly (a restart would be refused too)."""
         if self.rank == 0:
-            print(f"keel: error: {reason}", file=sys.stderr, flush=True)
+            print(f"{self.program}: error: {reason}", file=sys.stderr, flush=True)
         self.exit_code = EXIT_CONFIG
         self.incidents.stopped(self.step, self.attempt, reason, self.exit_code)
 
