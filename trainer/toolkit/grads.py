@@ -22,8 +22,10 @@ from torch.distributed.tensor import DTensor
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], world: int, loss_finite: bool = True) -> float:
     """The L2 norm of the whole model's gradient over all ranks; NaN on every rank when any rank's gradient
-    or loss (`loss_finite`) is not finite."""
-    total = None
+    or loss (`loss_finite`) is not finite. Each group of tensors held by as many ranks takes one call of
+    torch's fused norm (in the gradients' dtype, as clip_grad_norm_): summing squares in float64 tensor by
+    tensor cost 25 ms a step on a 3.3M-parameter model on CPU, against 1.2 ms."""
+    by_copies: dict[int, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is None:
             continue
@@ -31,12 +33,13 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], world: int, loss_fini
         if isinstance(grad, DTensor):
             shards = math.prod(grad.device_mesh.size(i) for i, placement in enumerate(grad.placements) if placement.is_shard())
             grad, copies = grad.to_local(), world // shards
-        part = grad.detach().double().pow(2).sum() / copies
-        total = part if total is None else total + part
-    if total is None:
-        total = torch.zeros((), dtype=torch.float64)
+        by_copies.setdefault(copies, []).append(grad.detach())
+    device = next((g[0].device for g in by_copies.values()), torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for copies, grads in by_copies.items():
+        total += torch.nn.utils.get_total_norm(grads).double().square() / copies
     if not loss_finite:
-        total = total + math.nan
+        total += math.nan
     if world > 1:
         dist.all_reduce(total)
     return float(total.sqrt())
