@@ -13,24 +13,19 @@ and stops training cleanly on a confirmed loss spike, naming the checkpoint to r
 from __future__ import annotations
 
 import argparse
-import sysconfig
-from pathlib import Path
 
 import torch
+from plain_loop import BLOCK, corpus  # the plain loop's data, beside this file
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
 
 from keel.trainer.toolkit.hf import KeelCallback  # keel
 
-BLOCK = 64  # tokens of context
-
 
 class ByteBlocks(torch.utils.data.Dataset):
-    """Python's own standard library as bytes, in blocks of BLOCK tokens: a text corpus every machine with Python has."""
+    """plain_loop's corpus (Python's standard library as bytes) in blocks of BLOCK tokens."""
 
-    def __init__(self, max_bytes: int = 1 << 20):
-        files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-        data = b"".join(f.read_bytes() for f in files)[:max_bytes]
-        self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    def __init__(self):
+        self.data = corpus()
 
     def __len__(self) -> int:
         return len(self.data) // BLOCK

@@ -13,48 +13,29 @@ and stops training cleanly on a confirmed loss spike, naming the checkpoint to r
 from __future__ import annotations
 
 import argparse
-import math
-import sysconfig
 from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from plain_loop import BLOCK, Block, corpus, lr_lambda  # the plain loop's model parts and data, beside this file
 from torch import nn
 from torch.nn import functional as F
 
 from keel.trainer.toolkit.lightning import KeelLightningCallback  # keel
 
-BLOCK = 64  # tokens of context
-
 
 class ByteBlocks(torch.utils.data.Dataset):
-    """Python's own standard library as bytes, in blocks of BLOCK + 1 tokens: a text corpus every machine with Python has."""
+    """plain_loop's corpus (Python's standard library as bytes) in blocks of BLOCK + 1 tokens."""
 
-    def __init__(self, max_bytes: int = 1 << 20):
-        files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-        data = b"".join(f.read_bytes() for f in files)[:max_bytes]
-        self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    def __init__(self):
+        self.data = corpus()
 
     def __len__(self) -> int:
         return (len(self.data) - 1) // BLOCK
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.data[i * BLOCK : (i + 1) * BLOCK + 1]
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-        self.register_buffer("causal", torch.triu(torch.ones(BLOCK, BLOCK, dtype=torch.bool), 1), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=self.causal[: x.size(1), : x.size(1)], need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
 
 
 class GPT(L.LightningModule):
@@ -79,15 +60,7 @@ class GPT(L.LightningModule):
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
-        warmup = 10
-
-        def factor(step: int) -> float:  # linear warm-up, then cosine down to a tenth
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = (step - warmup) / max(1, self.steps - warmup)
-            return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.steps, warmup=10))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
