@@ -45,6 +45,9 @@ class RuleParams:
     straggler_window: str = "10m"  # KeelStraggler: medians of each rank's busy time over this window ...
     straggler_score: float = 0.75  # ... a rank scoring below this (fastest peer's median / its own) ...
     straggler_for: str = "10m"  # ... sustained this long
+    validation_window: str = "1h"  # KeelValidationLossRising: over this window, the validation loss ...
+    validation_rise: float = 0.02  # ... this fraction or more above its lowest, while the training loss trends down ...
+    validation_for: str = "30m"  # ... sustained this long
 
     def validate(self) -> None:
         """Raises ValueError, one line naming the parameter and the fix."""
@@ -54,7 +57,7 @@ class RuleParams:
                 raise ValueError(f"{f.name}={value!r}: not a positive Prometheus duration; write e.g. 90s, 15m or 1h30m")
             if f.type == "float" and not math.isfinite(value):
                 raise ValueError(f"{f.name}={value}: must be a finite number")
-        for name in ("throughput_ratio", "mfu_threshold", "comm_share_threshold", "straggler_score"):
+        for name in ("throughput_ratio", "mfu_threshold", "comm_share_threshold", "straggler_score", "validation_rise"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be a ratio in (0, 1]")
         if self.stall_factor < 1:
@@ -105,6 +108,10 @@ _TEMPLATE = """\
 #   - a straggler is a rank whose score (the fastest rank of its pipeline stage's median busy time /
 #     its own, medians over @straggler_window@) is below @straggler_score@, sustained @straggler_for@.
 #     Busy time, not step time: in synchronous training every rank's step takes the same wall time.
+#   - the validation loss (eval.every) @validation_rise@ or more above its lowest of the last
+#     @validation_window@ while the training loss trends down over that window, sustained @validation_for@:
+#     the model is learning its training data and no longer what it is meant to (overfitting, or validation
+#     data that is not like the training data).
 #
 # Counter rules also fire when a counter series first appears with a non-zero value
 # (`x > 0 unless x offset <window>`): increase() needs two samples, so an exporter that creates the
@@ -250,6 +257,25 @@ groups:
             time / its own, over @straggler_window@; alert below @straggler_score@ for @straggler_for@).
             Check that rank's host: thermal throttling, a noisy neighbour, a slow NIC or an uneven data
             shard.
+
+      # Warning: the validation loss is @validation_rise@ or more above its lowest of the last
+      # @validation_window@ while the training loss's trend over that window (deriv: a least-squares slope,
+      # robust to the noise of single steps) is down, sustained @validation_for@. $value is the validation loss.
+      - alert: KeelValidationLossRising
+        expr: |
+          keel_validation_loss > (1 + @validation_rise@) * min_over_time(keel_validation_loss[@validation_window@])
+          and deriv(keel_loss[@validation_window@]) < 0
+        for: @validation_for@
+        labels:
+          severity: warning
+        annotations:
+          summary: "Keel run {{ $labels.run_id }}: validation loss rising ({{ $value | printf \\"%.4g\\" }}) while the training loss falls"
+          description: >-
+            Run {{ $labels.run_id }}: the validation loss is {{ $value | printf "%.4g" }}, at least
+            @validation_rise@ above its lowest of the last @validation_window@, while the training loss
+            went down over that window (for @validation_for@). The model is fitting its training data and
+            no longer generalizing: overfitting (repeated data, too many epochs) or validation data unlike
+            the training data. Compare checkpoints by validation loss before picking one.
 """
 
 

@@ -29,9 +29,14 @@ class StepMetric:
     unit: str  # the base unit (Prometheus naming guide): seconds, bytes, ratio (0..1); "" for none
     help: str  # one line: Prometheus' HELP, and what the column holds
     prometheus: str = ""  # the gauge's name (labels: run_id); "" when not exported. Alert rules query it
-    wandb: bool = False  # logged to W&B as train/<column>
+    wandb: bool = False  # logged to W&B, as `wandb_key`
     table: str | None = None  # its format in the `keel metrics` table ("{:.4g}", "" for pandas' own); None: left out (--csv has all)
     chart: Chart | None = None  # drawn on the dashboard's Run page and offered on its Compare page
+    wandb_name: str = ""  # its W&B key when not train/<column> (the validation metrics are val/<name>, as W&B's examples log them)
+
+    @property
+    def wandb_key(self) -> str:
+        return self.wandb_name or f"train/{self.column}"
 
 
 # In table order: the store's columns, the `keel metrics` table and the dashboard's charts follow it.
@@ -68,4 +73,9 @@ STEP_METRICS: tuple[StepMetric, ...] = (
     StepMetric("mem_peak_bytes", int, "bytes", "Peak memory of the busiest rank.", prometheus="keel_memory_peak_bytes", wandb=True,
                chart=Chart("peak memory (GiB)", scale=2**-30)),
     StepMetric("skipped", int, "", "1 when the step made no update (a loss or gradient was not finite), else 0."),
+    # NULL on steps without an evaluation (eval.every). The spike detector never reads them.
+    StepMetric("validation_loss", float, "", "Validation loss after the last evaluated step's update (mean over the validation batches).",
+               prometheus="keel_validation_loss", wandb=True, wandb_name="val/loss", table="{:.4g}", chart=Chart("validation loss")),
+    StepMetric("validation_perplexity", float, "", "exp(validation loss) of the last evaluated step.", prometheus="keel_validation_perplexity",
+               wandb=True, wandb_name="val/perplexity"),
 )  # fmt: skip

@@ -65,7 +65,7 @@ class WandbSink:
                 )
         self.mode = mode
         # The step metrics the registry marks for W&B; the run store has them all.
-        self._logged = tuple(m.column for m in metric_registry.STEP_METRICS if m.wandb)
+        self._logged = {m.column: m.wandb_key for m in metric_registry.STEP_METRICS if m.wandb}
         self.alert_throttle_s = alert_throttle_s
         self.min_interval_s, self._clock = min_interval_s, clock
         self._last_logged_at: float | None = None
@@ -99,14 +99,16 @@ class WandbSink:
         """Logs the step, unless one was logged less than min_interval_s ago: a wandb.log costs about
         1 ms of CPU in the training process, too much for steps of a few ms. The run store and
         Prometheus keep every step; W&B then gets the newest step at most every min_interval_s, the
-        last and first step around each new attempt (a rollback stays visible), and the last step at close."""
-        values = {f"train/{key}": row[key] for key in self._logged if row.get(key) is not None}
+        last and first step around each new attempt (a rollback stays visible), every evaluated step (its
+        validation loss comes once per eval.every steps) and the last step at close."""
+        values = {key: row[column] for column, key in self._logged.items() if row.get(column) is not None}
         values |= {f"{CUSTOM_PREFIX}{name}": v for name, v in (row.get(CUSTOM_KEY) or {}).items() if v is not None}
         now = self._clock()
         new_attempt = row.get("attempt") != self._last_attempt
         if new_attempt and self._held is not None:
             self._run.log(self._held)  # where the abandoned attempt ended (a spike, say) stays visible
-        due = new_attempt or self._last_logged_at is None or now - self._last_logged_at >= self.min_interval_s
+        evaluated = row.get("validation_loss") is not None
+        due = new_attempt or evaluated or self._last_logged_at is None or now - self._last_logged_at >= self.min_interval_s
         self._last_attempt = row.get("attempt")
         if not due:
             self._held = {"train/step": row["step"], **values}

@@ -31,6 +31,7 @@ EXPECTED_ALERTS = {
     "KeelLowMFU": "warning",
     "KeelHighCommShare": "warning",
     "KeelStraggler": "warning",
+    "KeelValidationLossRising": "warning",
 }
 
 

@@ -23,6 +23,8 @@ ROW = {
     "data_time_s": 0.001,
     "mem_peak_bytes": 2**30,
     "skipped": 0,
+    "validation_loss": 2.75,  # an evaluated step (eval.every)
+    "validation_perplexity": 15.642631884188171,
 }
 # A sampled step (communication measured) of a pp2 job: ranks 0-1 are stage 0, ranks 2-3 stage 1.
 RANKS = [{"step": 7, "attempt": 1, "rank": r, "step_time_s": 0.25 + r / 100, "comm_time_s": 0.05 * r} for r in range(4)]
@@ -60,12 +62,13 @@ def test_every_vocabulary_metric_is_exported_with_run_id():
         "keel_checkpoints_corrupt_total": "counter", "keel_hangs_total": "counter", "keel_oom_total": "counter",
         "keel_oom_retries_total": "counter",
         "keel_restarts_total": "counter", "keel_node_losses_total": "counter", "keel_faults_injected_total": "counter",
-        "keel_alerts_total": "counter",
+        "keel_alerts_total": "counter", "keel_validation_loss": "gauge", "keel_validation_perplexity": "gauge",
     }  # fmt: skip
     assert "_created" not in text  # one series per metric, not two
     assert samples["keel_loss"].value == 2.5 and samples["keel_loss"].labels == {"run_id": "r1"}
     assert samples["keel_mfu_ratio"].value == 0.41 and samples["keel_step"].value == 7
     assert samples["keel_step_duration_seconds_count"].value == 1
+    assert samples["keel_validation_loss"].value == 2.75 and samples["keel_validation_loss"].labels == {"run_id": "r1"}
     assert samples["keel_nonfinite_steps_total"].value == 2
     assert samples["keel_rollbacks_total"].value == 1 and samples["keel_loss_spikes_total"].value == 0
     assert samples["keel_alerts_total"].labels == {"run_id": "r1", "kind": "nonfinite_loss", "severity": "critical"}

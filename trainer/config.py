@@ -33,6 +33,7 @@ DataParallelMode = Literal["zero3", "zero2", "replicate"]
 TrainingDtype = Literal["auto", "fp32", "bf16"]
 ActivationCheckpointing = Literal["none", "selective", "full"]  # per block: see keel.trainer.parallel.activation_checkpoint
 RankRows = Literal["sampled", "every_step"]  # which steps keep a row per rank in the run store
+MAX_VAL_FRACTION = 0.5  # data.val_fraction: at most half the source is held out
 
 
 class ConfigError(ValueError):
@@ -76,11 +77,18 @@ class DataConfig:
     # Batch index ranges never read, e.g. ["80:107"] (end excluded): a run that skips what another
     # run's rollback skipped, for a like-for-like comparison (the rollback event says which batches).
     skip_batches: list[str] = field(default_factory=list)
+    # The fraction of the source's tokens, at its end, held out for validation (eval.every): training never
+    # reads them. 0: none held out. It changes the training data: keep it when a run is resumed.
+    val_fraction: float = 0.0
 
     def validate(self) -> None:
         from keel.trainer.data.loader import parse_skip_ranges  # here, not at the top: keel.trainer.data.loader imports this module
 
         at_least("data.seq_len", self.seq_len, 1)
+        if not 0 <= self.val_fraction <= MAX_VAL_FRACTION:
+            raise ConfigError(
+                f"data.val_fraction={self.val_fraction}: must be in [0, {MAX_VAL_FRACTION}]; 0 holds nothing out, 0.01 keeps the last 1% of the tokens for validation"
+            )
         parse_skip_ranges(self.skip_batches)
 
 
@@ -101,6 +109,22 @@ class TrainingConfig:
     def validate(self) -> None:
         at_least("training.steps", self.steps, 1)
         at_least("training.microbatches", self.microbatches, 1)
+
+
+@dataclass
+class EvalConfig:
+    # The validation loss every this many steps, and after the last step (0: never). It reads the validation
+    # data only, under no_grad: training's parameters, optimizer, data position and RNG are untouched, so the
+    # training losses are the same with it on or off.
+    every: int = 0
+    batches: int = 4  # global batches of the validation data per evaluation: the same ones every time
+    # The validation data: "" is the held-out end of data.source (data.val_fraction); else a source of its
+    # own, of any kind data.source takes, with the same vocabulary.
+    source: str = ""
+
+    def validate(self) -> None:
+        at_least("eval.every", self.every, 0, "0 turns evaluation off")
+        at_least("eval.batches", self.batches, 1)
 
 
 @dataclass
@@ -300,6 +324,7 @@ class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -462,6 +487,15 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             f"started; set --pp/--dp/--tp so their product is {world_size}, or start {cfg.world_size} processes"
         )
     validate_layout(cfg)
+    _validate_eval_data(cfg)
+
+
+def _validate_eval_data(cfg: JobConfig) -> None:
+    if cfg.eval.every and not cfg.eval.source and not cfg.data.val_fraction:
+        raise ConfigError(
+            f"eval.every={cfg.eval.every}: there is no validation data; hold some out with --data.val_fraction=0.01 (never trained on) "
+            f"or name a source with --eval.source=PATH"
+        )
 
 
 def validate_layout(cfg: JobConfig) -> None:

@@ -21,7 +21,7 @@ def forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast, st
                     schedule.step(inputs, target=targets, losses=losses)
                 else:
                     schedule.step(target=targets, losses=losses)
-            return torch.stack([_whole(loss) for loss in losses]).mean().detach() if layout.is_last_stage_rank else None
+            return torch.stack([whole_loss(loss) for loss in losses]).mean().detach() if layout.is_last_stage_rank else None
         model, m = parts[0], cfg.training.microbatches
         total = torch.zeros((), device=inputs.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m))):
@@ -30,10 +30,10 @@ def forward_backward(cfg, parts, schedule, layout, inputs, targets, autocast, st
             with autocast:
                 loss = step_loss(model(x), y) / m
             loss.backward()
-            total += _whole(loss.detach())
+            total += whole_loss(loss.detach())
         return total
 
 
-def _whole(loss: torch.Tensor) -> torch.Tensor:
+def whole_loss(loss: torch.Tensor) -> torch.Tensor:
     """A loss as a plain tensor: the loss parallel's is a DTensor, the same value on every tp rank."""
     return loss.full_tensor() if isinstance(loss, DTensor) else loss

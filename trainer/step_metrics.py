@@ -23,6 +23,8 @@ from keel.monitor.recorder import RunRecorder
 from keel.monitor.store import SLOWEST_RANKS
 from keel.trainer.progress import ProgressLine
 
+MAX_EXP_ARG = 709.0  # math.exp overflows a float past about 709.78
+
 
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
@@ -54,6 +56,11 @@ def gather_rows(row: list[float], device: torch.device, world: int) -> torch.Ten
     out = torch.empty(world * len(row), dtype=torch.float64, device=device)
     dist.all_gather_single(out, mine)
     return out.view(world, len(row)).cpu()
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss): the number of equally likely tokens the model hesitates between; inf past float range."""
+    return math.exp(loss) if loss < MAX_EXP_ARG else math.inf
 
 
 def slowest_ranks(busy_s: torch.Tensor, k: int = SLOWEST_RANKS) -> str:
@@ -100,6 +107,8 @@ class StepNumbers:
     # ALLOCATED_PEAK_META, for `keel plan --check`).
     allocated_peak: int | None = None
     custom: dict[str, float] | None = None  # a user's loop's own metrics (rank 0's are recorded)
+    val_loss: float | None = None  # the validation loss after the step's update (the same on every rank); None: not evaluated
+    eval_s: float = 0.0  # seconds the evaluation took: not part of the step's time
 
 
 class StepReporter:
@@ -134,7 +143,7 @@ class StepReporter:
         rank). Where communication was measured, also sets `busy_s`: per rank, step time minus
         communication time (NaN for a rank that measured none)."""
         now = time.perf_counter()
-        step_time, self.step_end = now - self.step_end, now
+        step_time, self.step_end = now - self.step_end - numbers.eval_s, now
         step, attempt, loss, comm_time = numbers.step, numbers.attempt, numbers.loss, numbers.comm_time
         mine = [
             0.0 if loss is None else 1.0,
@@ -178,6 +187,8 @@ class StepReporter:
             "data_time_s": float(data_times.max()),
             "mem_peak_bytes": int(mems.max()),
             "skipped": int(numbers.skipped),
+            "validation_loss": numbers.val_loss,
+            "validation_perplexity": None if numbers.val_loss is None else perplexity(numbers.val_loss),
         }
         if numbers.custom:
             row["custom"] = numbers.custom

@@ -20,7 +20,9 @@ from keel.monitor.store import read_meta
 from keel.trainer import exposed_comm, flops, oom
 from keel.trainer.checkpoint.checkpointer import WholeModel, manifest_info
 from keel.trainer.config import ConfigError, JobConfig
-from keel.trainer.data.loader import BatchSampler, open_job_tokens, parse_skip_ranges
+from keel.trainer.data.loader import BatchSampler, open_job_tokens, open_tokens, parse_skip_ranges
+from keel.trainer.data.validation import ValidationBatches, held_out
+from keel.trainer.evaluate import validation_loss
 from keel.trainer.launch.launcher import parse_train_args, resolve_run_dir
 from keel.trainer.launch.lifetime import end_with_parent
 from keel.trainer.model_args import flops_per_token, model_args
@@ -48,12 +50,14 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig, device: torch.device, rank: int, world: int, process_start: float | None = None):
         self.cfg, self.device, self.rank, self.world = cfg, device, rank, world
+        self.evaluating = False  # the loss hook's switch: chaos corrupts training losses, never the validation loss
         self.run = run = KeelRun(cfg, rank, world, device, process_start, program="keel train")
         self.run_dir = run.run_dir
         self.microbatch_state = oom.load_state(cfg, self.run_dir, run.resuming)
         oom_note = self.microbatch_state.note()
         self._build_model()
         self._build_data()
+        self._build_validation()
         peak_total, mfu_basis = self._peak_flops_total()
         stage_size = world // self.layout.pp  # mesh order (pp, dp, tp): each pipeline stage is a block of ranks
         stages = [range(k * stage_size, (k + 1) * stage_size) for k in range(self.layout.pp)]
@@ -102,14 +106,16 @@ class Trainer:
         log.info("model built: %d stage(s) on this rank", len(self.parts))
 
     def step_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The loss of one micro-batch (the pipeline schedule calls it too)."""
-        return self.run.faults.corrupt_loss(parallelize.loss_fn(logits, targets))  # the chaos hook point on the loss
+        """The loss of one micro-batch (the pipeline schedule calls it too, in training and in evaluation)."""
+        loss = parallelize.loss_fn(logits, targets)
+        return loss if self.evaluating else self.run.faults.corrupt_loss(loss)  # the chaos hook point on the training loss
 
     def _build_data(self) -> None:
         cfg = self.cfg
         self.source = open_job_tokens(cfg)
+        training_tokens, self.held_out_tokens = held_out(self.source.tokens, cfg.data.val_fraction)
         self.sampler = BatchSampler(
-            self.source.tokens,
+            training_tokens,
             cfg.data.seq_len,
             cfg.training.global_batch_size,
             self.layout.dp_rank,
@@ -119,6 +125,21 @@ class Trainer:
             self.model_args.vocab_size,
             self.run.faults.corrupt_batch,
         )
+
+    def _build_validation(self) -> None:
+        """The validation batches (eval.every > 0): the held-out end of the training source, or eval.source."""
+        cfg = self.cfg
+        self.validation = None
+        if not cfg.eval.every:
+            return
+        if cfg.eval.source:
+            tokens, name = open_tokens(cfg.eval.source, cfg.data.seq_len, self.model_args.vocab_size).tokens, f"eval.source={cfg.eval.source}"
+        else:
+            tokens, name = self.held_out_tokens, f"the held-out data.val_fraction={cfg.data.val_fraction} of data.source"
+        self.validation = ValidationBatches(
+            tokens, cfg.data.seq_len, cfg.training.global_batch_size, self.layout.dp_rank, self.layout.dp, cfg.eval.batches,
+            self.model_args.vocab_size, name,
+        )  # fmt: skip
 
     def _peak_flops_total(self) -> tuple[float, str]:
         """MFU's denominator: (the peak FLOPS of all devices together, how this device's peak was found).
@@ -184,10 +205,25 @@ class Trainer:
             return None
         memory_peak = profiled.memory_peak_bytes()
         self.memory_measured = self.memory_measured or memory_peak is not None
+        val_loss, eval_s = self.evaluate_if_due(step)
         return StepNumbers(
             step, run.attempt, lr, grad_norm, loss, data_time, comm_time=profiled.comm_seconds(), faults_fired=len(run.faults.fired),
-            skipped=skipped, sampled=sampled, allocated_peak=memory_peak,
+            skipped=skipped, sampled=sampled, allocated_peak=memory_peak, val_loss=val_loss, eval_s=eval_s,
         )  # fmt: skip
+
+    def evaluate_if_due(self, step: int) -> tuple[float | None, float]:
+        """(the validation loss, the seconds it took) at every eval.every-th step and the last; (None, 0) otherwise."""
+        every = self.cfg.eval.every
+        if self.validation is None or (step % every and step != self.cfg.training.steps):
+            return None, 0.0
+        t0 = time.perf_counter()
+        self.run.watchdog.beat("eval", step, steps_allowed=len(self.validation))
+        self.evaluating = True
+        try:
+            val_loss = validation_loss(self.cfg, self.parts, self.schedule, self.layout, self.validation, self.autocast, self.device)
+        finally:
+            self.evaluating = False
+        return val_loss, time.perf_counter() - t0
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's inputs and targets, on the device; rank 0 records the batches the sampler passed over."""

@@ -73,10 +73,12 @@ class Watchdog:
             self._stall = open(self.dumps / f"stall-rank{rank}-pid{os.getpid()}.txt", "w")
             self._thread.start()
 
-    def beat(self, phase: str, step: int, attempt: int | None = None) -> None:
+    def beat(self, phase: str, step: int, attempt: int | None = None, steps_allowed: float = 1.0) -> None:
+        """Progress into `phase` of `step`. A phase that is not one of the long ones may take `steps_allowed`
+        times what a step may (an evaluation of N batches, each a forward pass of a global batch: N)."""
         after_checkpoint = phase == "step" and self.phase in _CHECKPOINT_PHASES
         self.phase, self.step, self.last_beat = phase, step, time.monotonic()
-        self.allowance_s = self._allowance(after_checkpoint)
+        self.allowance_s = self._allowance(after_checkpoint, steps_allowed)
         if attempt is not None:
             self.attempt = attempt
         if self._stall is not None:
@@ -118,12 +120,12 @@ class Watchdog:
         """What a step may take once the warm-up is over: step_factor x the median recent step, at least floor_s."""
         return max(self.cfg.floor_s, self.cfg.step_factor * self.median_step_s)
 
-    def _allowance(self, after_checkpoint: bool) -> float:
+    def _allowance(self, after_checkpoint: bool, steps_allowed: float) -> float:
         if self.phase in _LONG_PHASES:
             return getattr(self.cfg, _LONG_PHASES[self.phase])
         if self.steps_timed <= self.cfg.warmup_steps:
             return self.cfg.startup_s
-        return self.step_allowance_s() * (_AFTER_CHECKPOINT if after_checkpoint else 1.0)
+        return self.step_allowance_s() * steps_allowed * (_AFTER_CHECKPOINT if after_checkpoint else 1.0)
 
     def collective_timeout_s(self) -> float:
         """The process-group timeout that backs the watchdog up: startup_s during the warm-up, then a minute
