@@ -21,7 +21,13 @@ from keel.trainer.step import whole_loss
 
 
 def validation_loss(
-    cfg: JobConfig, parts, schedule, layout: parallelize.Layout, batches: ValidationBatches, autocast: AbstractContextManager, device: torch.device
+    cfg: JobConfig,
+    parts,
+    schedule,
+    layout: parallelize.Layout,
+    batches: ValidationBatches,
+    autocast: AbstractContextManager,
+    device: torch.device,
 ) -> float:
     """The mean loss over every token of the validation batches, the same number on every rank."""
     total = torch.zeros((), dtype=torch.float64, device=device)

@@ -1,4 +1,4 @@
-"""The live console line of a training run: step, loss, tokens/s, MFU, comm share, ETA."""
+"""The live console line of a training run: step, loss, tokens/s, MFU, comm share, ETA; and a line per evaluation."""
 
 from __future__ import annotations
 
@@ -44,6 +44,12 @@ class ProgressLine:
             f"MFU {mfu:6.2%} | comm {comm} | {step_time_s:6.3f} s/step | ETA {_duration(eta)}"
         )
         self.stream.write(("\r" + line) if self.tty else line + "\n")
+        self.stream.flush()
+
+    def validation(self, step: int, loss: float, perplexity: float) -> None:
+        """A line of its own that stays, under the progress line: an evaluation is worth reading back."""
+        line = f"step {step:>{len(str(self.total))}}/{self.total} | validation loss {loss:7.4f} | perplexity {perplexity:,.2f}"
+        self.stream.write(f"\r{line}\n" if self.tty else line + "\n")
         self.stream.flush()
 
     def finish(self) -> None:

@@ -197,6 +197,8 @@ class StepReporter:
             self.recorder.step(row, rank_rows(step, attempt, step_times, comm_times, data_times, mems) if keep_ranks else [])
         if self.progress is not None:
             self.progress.update(step, row["loss"], tokens_per_s, mfu, self.last_comm_share, slowest)
+            if numbers.val_loss is not None:
+                self.progress.validation(step, numbers.val_loss, row["validation_perplexity"])
         return row, torch.nonzero(faults > 0).flatten().tolist()
 
     def _keep_allocated_peaks(self, allocated: torch.Tensor) -> None:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from keel.trainer.config import ConfigError
+from keel.trainer.config import ConfigError, JobConfig
+from keel.trainer.data.documents import eod_to_mask, mask_after_eod
+from keel.trainer.data.loader import TokenSource, open_tokens
 
 
 def held_out(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -23,13 +25,40 @@ def held_out(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarra
     return tokens[:cut], tokens[cut:]
 
 
+def split_for_validation(
+    cfg: JobConfig, source: TokenSource, vocab_size: int, dp_rank: int = 0, dp_size: int = 1
+) -> tuple[np.ndarray, ValidationBatches | None]:
+    """(the tokens training reads, the validation batches or None when eval.every is 0). The launcher calls it
+    once before any worker starts, so that validation data that cannot serve is refused there, in one line."""
+    training, held = held_out(source.tokens, cfg.data.val_fraction)
+    if not cfg.eval.every:
+        return training, None
+    if cfg.eval.source:
+        tokens, name = open_tokens(cfg.eval.source, cfg.data.seq_len, vocab_size).tokens, f"eval.source={cfg.eval.source}"
+    else:
+        tokens, name = held, f"the held-out data.val_fraction={cfg.data.val_fraction} of data.source"
+    rows = (cfg.training.global_batch_size, dp_rank, dp_size)
+    # The validation loss leaves out what the training loss does (data.mask_eod).
+    return training, ValidationBatches(tokens, cfg.data.seq_len, *rows, cfg.eval.batches, vocab_size, name, eod_to_mask(cfg, source))
+
+
 class ValidationBatches:
     """`n_batches` global batches of consecutive windows of `tokens` (seq_len + 1 tokens each, one token shared
     with the next window, as the training targets are the inputs shifted by one). Refuses, naming the fields
-    to change, validation data too short for them or holding an id outside the model's vocabulary."""
+    to change, validation data too short for them or holding an id outside the model's vocabulary. With
+    `eod_id`, the targets after it are IGNORE_INDEX (keel.trainer.data.documents)."""
 
     def __init__(
-        self, tokens: np.ndarray, seq_len: int, global_batch_size: int, dp_rank: int, dp_size: int, n_batches: int, vocab_size: int, name: str
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        global_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        n_batches: int,
+        vocab_size: int,
+        name: str,
+        eod_id: int | None = None,
     ):
         windows = n_batches * global_batch_size
         needed = windows * seq_len + 1
@@ -43,6 +72,7 @@ class ValidationBatches:
         self.global_batch_size = global_batch_size
         self.rows = slice(dp_rank * global_batch_size // dp_size, (dp_rank + 1) * global_batch_size // dp_size)
         self.n_batches = n_batches
+        self.eod_id = eod_id  # targets after this id are left out of the loss (data.mask_eod)
         largest = int(np.asarray(tokens[:needed]).max())
         if largest >= vocab_size:
             raise ConfigError(
@@ -58,4 +88,5 @@ class ValidationBatches:
         first = index * self.global_batch_size
         starts = (first + np.arange(self.global_batch_size)[self.rows]) * self.seq_len
         rows = np.asarray(self.tokens[starts[:, None] + np.arange(self.seq_len + 1)]).astype(np.int64)
-        return rows[:, :-1], rows[:, 1:]
+        inputs = rows[:, :-1]
+        return inputs, mask_after_eod(inputs, rows[:, 1:], self.eod_id)
