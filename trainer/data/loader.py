@@ -11,6 +11,9 @@ Sources, each read as one flat array of token ids, never converted or loaded who
 
 A file without a sidecar or a header cannot prove its layout, so it is read as nanoGPT's uint16 only when
 it shows none of the marks of something else (a known magic, text, 32-bit ids).
+No start reads a whole file: a sidecar's size and sampled blocks are checked, and a file without one is
+read whole once, its scan kept for its fingerprint (keel.trainer.data.scan_cache); `keel verify-data`
+reads every byte on request.
 `open_tokens` refuses data whose vocabulary or tokenizer is not the model's, before any worker starts.
 The sampler is a pure function of (seed, batch_index, dp rank) whatever the source: resuming from a
 checkpoint, skipping bad batches and changing the dp degree all see exactly the same global batches.
@@ -33,8 +36,9 @@ import numpy as np
 
 from keel.monitor.hashing import sha256_file
 from keel.trainer.config import ConfigError, JobConfig
-from keel.trainer.data.megatron_index import megatron_paths, read_index
-from keel.trainer.data.token_files import FILE_DTYPES, check_sidecar, foreign_format, read_head, read_sidecar, scan_tokens, sidecar_path
+from keel.trainer.data.megatron_index import megatron_paths, read_header, read_index
+from keel.trainer.data.scan_cache import StartChecks, scan_key
+from keel.trainer.data.token_files import FILE_DTYPES, check_sidecar, foreign_format, read_head, read_sidecar, sidecar_path
 from keel.trainer.data.token_files import write_token_file as write_token_file  # re-exported: the byte writer tests use
 
 BYTE_VOCAB_SIZE = 256
@@ -44,6 +48,7 @@ LLMC_SHARDS = {20240520: (1, "<u2"), 20240801: (7, "<u4")}
 LLMC_HEADER_BYTES = 256 * 4
 CONTROL_BYTES = re.compile(rb"[\x00-\x08\x0b\x0e-\x1f\x7f]")  # in no text file; ids below 2,304 put one in every uint16
 WIDE_ID_CHECK = 1 << 20  # uint16 values looked at for the high halves of 32-bit ids
+START_CHECKS = StartChecks()
 
 
 @dataclass(frozen=True)
@@ -68,10 +73,12 @@ def open_job_tokens(cfg: JobConfig) -> TokenSource:
     return open_tokens(cfg.data.source, cfg.data.seq_len, model_args(cfg).vocab_size, cfg.data.tokenizer or None)
 
 
-def open_tokens(source: str, seq_len: int, vocab_size: int, tokenizer: str | None = None) -> TokenSource:
+def open_tokens(
+    source: str, seq_len: int, vocab_size: int, tokenizer: str | None = None, checks: StartChecks = START_CHECKS
+) -> TokenSource:
     """Opens `source` and checks it holds at least one sequence of ids a model of `vocab_size` can embed, made
     with the tokenizer file `tokenizer` when one is named."""
-    ts = _builtin_tokens() if source == "builtin" else _file_tokens(source)
+    ts = open_source(source, checks)
     _check_vocab(source, ts, vocab_size)
     if tokenizer is not None:
         _check_tokenizer(source, ts, tokenizer)
@@ -118,6 +125,12 @@ def _tokenizer_name(identity: dict) -> str:
     return identity.get("file", identity.get("kind", "?"))
 
 
+def open_source(source: str, checks: StartChecks = START_CHECKS) -> TokenSource:
+    """The tokens of `source`, proved to be what was written (or first read) as `checks` say: cheaply at a
+    start, every byte for keel verify-data."""
+    return _builtin_tokens() if source == "builtin" else _file_tokens(source, checks)
+
+
 @functools.cache
 def _builtin_tokens() -> TokenSource:
     # Walk top-down with sorted names so the file order, and so the corpus, is deterministic; stop at
@@ -145,10 +158,10 @@ def _builtin_tokens() -> TokenSource:
     return TokenSource(tokens, version, description, BYTE_VOCAB_SIZE, "byte tokens")
 
 
-def _file_tokens(source: str) -> TokenSource:
+def _file_tokens(source: str, checks: StartChecks = START_CHECKS) -> TokenSource:
     megatron = megatron_paths(source)
     if megatron is not None:
-        return _megatron_tokens(source, *megatron)
+        return _megatron_tokens(source, *megatron, checks)
     path = Path(source)
     if path.is_dir():
         raise ConfigError(
@@ -162,12 +175,12 @@ def _file_tokens(source: str) -> TokenSource:
     if nbytes == 0:
         raise ConfigError(f"data.source={source}: file is empty; remake it with `keel prepare-data {source} FILES...`")
     if sidecar_path(path).is_file():
-        return _described_tokens(source, path, nbytes)
+        return _described_tokens(source, path, nbytes, checks)
     head = read_head(path)
     _refuse_foreign(source, path, head)
     if len(head) >= 12 and int.from_bytes(head[:4], "little") in LLMC_SHARDS:
-        return _llmc_tokens(source, path, nbytes, head)
-    return _nanogpt_tokens(source, path, nbytes)
+        return _llmc_tokens(source, path, nbytes, head, checks)
+    return _nanogpt_tokens(source, path, nbytes, checks)
 
 
 def _refuse_foreign(source: str, path: Path, head: bytes) -> None:
@@ -190,19 +203,19 @@ def _is_text(head: bytes) -> bool:
     return CONTROL_BYTES.search(head) is None
 
 
-def _described_tokens(source: str, path: Path, nbytes: int) -> TokenSource:
+def _described_tokens(source: str, path: Path, nbytes: int, checks: StartChecks) -> TokenSource:
     sidecar = read_sidecar(source, path)
     check_sidecar(source, sidecar, nbytes, scan=None)  # the size first: it costs nothing and says the most
     tokens = np.memmap(path, dtype=FILE_DTYPES[sidecar.dtype], mode="r")
-    scan = scan_tokens(tokens)
-    check_sidecar(source, sidecar, nbytes, scan)
+    # Ids past the vocabulary are not looked for here: the sampler passes over any batch holding one.
+    checks.sidecar(source, sidecar, tokens)
     eod = f", end-of-document id {sidecar.eod_id}" if sidecar.eod_id is not None else ""
     description = f"{path}: {sidecar.tokens:,} {sidecar.dtype} tokens in {sidecar.documents:,} documents, vocabulary {sidecar.vocab_size:,} ({_tokenizer_name(sidecar.tokenizer)}){eod}"
     origin = f"its tokenizer's {sidecar.vocab_size:,} token ids"
-    return TokenSource(tokens, "sha256:" + scan.sha256[:16], description, sidecar.vocab_size, origin, sidecar.eod_id, sidecar.tokenizer)
+    return TokenSource(tokens, "sha256:" + sidecar.sha256[:16], description, sidecar.vocab_size, origin, sidecar.eod_id, sidecar.tokenizer)
 
 
-def _nanogpt_tokens(source: str, path: Path, nbytes: int) -> TokenSource:
+def _nanogpt_tokens(source: str, path: Path, nbytes: int, checks: StartChecks) -> TokenSource:
     if nbytes % 2:
         raise ConfigError(
             f"data.source={source}: size {nbytes} bytes is not a multiple of 2, so it is not a uint16 token file; "
@@ -210,7 +223,7 @@ def _nanogpt_tokens(source: str, path: Path, nbytes: int) -> TokenSource:
         )
     tokens = np.memmap(path, dtype="<u2", mode="r")
     _refuse_wide_ids(source, path, tokens)
-    scan = scan_tokens(tokens)  # one pass for both the version hash and the vocabulary the data needs
+    scan = checks.scan(source, scan_key(tokens), tokens)  # one pass, once, for both the version hash and the vocabulary the data needs
     description = f"{path}: {len(tokens):,} uint16 tokens, no sidecar (nanoGPT layout)"
     origin = f"token ids up to {scan.max_id}"
     return TokenSource(tokens, "sha256:" + scan.sha256[:16], description, scan.max_id + 1, origin)
@@ -227,7 +240,7 @@ def _refuse_wide_ids(source: str, path: Path, tokens: np.ndarray) -> None:
         )
 
 
-def _llmc_tokens(source: str, path: Path, nbytes: int, head: bytes) -> TokenSource:
+def _llmc_tokens(source: str, path: Path, nbytes: int, head: bytes, checks: StartChecks) -> TokenSource:
     magic, version, count = np.frombuffer(head[:12], dtype="<i4").tolist()
     want_version, dtype = LLMC_SHARDS[magic]
     expected = LLMC_HEADER_BYTES + count * np.dtype(dtype).itemsize
@@ -237,26 +250,28 @@ def _llmc_tokens(source: str, path: Path, nbytes: int, head: bytes) -> TokenSour
             f"(a shard of {magic} is version {want_version}, at least one token, and {LLMC_HEADER_BYTES:,} bytes of header plus its tokens); the shard is damaged, make it again"
         )
     tokens = np.memmap(path, dtype=dtype, mode="r", offset=LLMC_HEADER_BYTES, shape=(count,))
-    scan = scan_tokens(tokens)
+    scan = checks.scan(source, scan_key(tokens), tokens)
     description = f"{path}: {count:,} {tokens.dtype.name} tokens (llm.c shard, magic {magic})"
     return TokenSource(tokens, "sha256:" + scan.sha256[:16], description, scan.max_id + 1, f"token ids up to {scan.max_id}")
 
 
-def _megatron_tokens(source: str, bin_path: Path, idx_path: Path) -> TokenSource:
+def _megatron_tokens(source: str, bin_path: Path, idx_path: Path, checks: StartChecks) -> TokenSource:
     if not bin_path.is_file():
         raise ConfigError(
             f"data.source={source}: {bin_path} is missing beside {idx_path}; a Megatron dataset is the pair PREFIX.bin + PREFIX.idx, put its .bin there"
         )
     nbytes = bin_path.stat().st_size
-    index = read_index(source, idx_path, nbytes)
+    header = read_header(source, idx_path)
     if nbytes == 0:
+        read_index(source, idx_path, nbytes)  # an index of sequences says they are not in the .bin
         raise ConfigError(f"data.source={source}: {bin_path} holds no tokens")
-    tokens = np.memmap(bin_path, dtype=index.dtype, mode="r")
-    scan = scan_tokens(tokens)
+    tokens = np.memmap(bin_path, dtype=header.dtype, mode="r")
+    # The whole index is checked against the .bin when the .bin is scanned, and with it once for the pair.
+    scan = checks.scan(source, scan_key(tokens, idx_path), tokens, lambda: read_index(source, idx_path, nbytes))
     if scan.min_id < 0:
         raise ConfigError(f"data.source={source}: {bin_path} holds the negative token id {scan.min_id}; the .bin is damaged")
-    n_docs = max(len(index.document_indices) - 1, 0)
-    description = f"{bin_path} (Megatron, {idx_path.name}): {len(tokens):,} {index.dtype.name} tokens in {n_docs:,} documents"
+    n_docs = max(header.documents - 1, 0)
+    description = f"{bin_path} (Megatron, {idx_path.name}): {len(tokens):,} {header.dtype.name} tokens in {n_docs:,} documents"
     origin = f"token ids up to {scan.max_id}"
     return TokenSource(tokens, "sha256:" + scan.sha256[:16], description, scan.max_id + 1, origin)
 

@@ -6,7 +6,9 @@ count, then int32 sequence lengths (in tokens), int64 sequence pointers (byte of
 int64 document indices (sequence index boundaries, 0 first and the sequence count last). Multimodal
 datasets append an int8 mode per sequence, which Keel does not need.
 
-Sequences are written back to back, so the .bin itself is the flat token array Keel samples from.
+Sequences are written back to back, so the .bin itself is the flat token array Keel samples from. Checking
+that they are reads the whole index, so a start that knows the pair unchanged (keel.trainer.data.scan_cache)
+reads its header alone.
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ MAGIC = b"MMIDIDX\x00\x00"
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
 # Megatron's DType enum: code -> numpy dtype. The floating-point codes exist there but hold no token ids.
 DTYPE_CODES = {1: "u1", 2: "i1", 3: "<i2", 4: "<i4", 5: "<i8", 8: "<u2"}
+
+
+@dataclass(frozen=True)
+class IndexHeader:
+    dtype: np.dtype
+    sequences: int
+    documents: int  # entries of the document index: one more than the documents
 
 
 @dataclass(frozen=True)
@@ -50,20 +59,29 @@ def megatron_paths(source: str) -> tuple[Path, Path] | None:
     return (bin_path, idx_path) if idx_path.is_file() else None
 
 
-def read_index(source: str, idx_path: Path, bin_size: int) -> MegatronIndex:
-    """Reads and checks `idx_path`: a ConfigError names what is wrong, so a damaged index never trains."""
-    raw = np.memmap(idx_path, dtype=np.uint8, mode="r") if idx_path.stat().st_size else np.zeros(0, np.uint8)
-    if bytes(raw[: len(MAGIC)]) != MAGIC[: len(raw)]:
+def read_header(source: str, idx_path: Path) -> IndexHeader:
+    """Reads and checks the header of `idx_path` alone."""
+    with open(idx_path, "rb") as f:
+        head = f.read(HEADER.size)
+    if head[: len(MAGIC)] != MAGIC[: len(head)]:
         raise ConfigError(f"data.source={source}: {idx_path} is not a Megatron MMIDIDX index (its first bytes are not {MAGIC!r})")
-    if len(raw) < HEADER.size:
+    if len(head) < HEADER.size:
         raise ConfigError(
-            f"data.source={source}: {idx_path} is {len(raw)} bytes, shorter than the {HEADER.size}-byte MMIDIDX header: it is truncated; copy or make it again"
+            f"data.source={source}: {idx_path} is {len(head)} bytes, shorter than the {HEADER.size}-byte MMIDIDX header: it is truncated; copy or make it again"
         )
-    _, version, code, n_seq, n_doc = HEADER.unpack(bytes(raw[: HEADER.size]))
+    _, version, code, n_seq, n_doc = HEADER.unpack(head)
     if version != 1 or code not in DTYPE_CODES:
         raise ConfigError(
             f"data.source={source}: {idx_path} has version {version} and dtype code {code}; Keel reads version 1 with integer codes {sorted(DTYPE_CODES)}"
         )
+    return IndexHeader(np.dtype(DTYPE_CODES[code]), n_seq, n_doc)
+
+
+def read_index(source: str, idx_path: Path, bin_size: int) -> MegatronIndex:
+    """Reads and checks `idx_path`: a ConfigError names what is wrong, so a damaged index never trains."""
+    header = read_header(source, idx_path)
+    n_seq, n_doc = header.sequences, header.documents
+    raw = np.memmap(idx_path, dtype=np.uint8, mode="r")
     arrays_end = HEADER.size + 4 * n_seq + 8 * n_seq + 8 * n_doc
     if len(raw) < arrays_end:
         raise ConfigError(
@@ -72,7 +90,7 @@ def read_index(source: str, idx_path: Path, bin_size: int) -> MegatronIndex:
     lengths = np.frombuffer(raw, dtype="<i4", count=n_seq, offset=HEADER.size)
     pointers = np.frombuffer(raw, dtype="<i8", count=n_seq, offset=HEADER.size + 4 * n_seq)
     documents = np.frombuffer(raw, dtype="<i8", count=n_doc, offset=HEADER.size + 12 * n_seq)
-    index = MegatronIndex(np.dtype(DTYPE_CODES[code]), lengths, pointers, documents)
+    index = MegatronIndex(header.dtype, lengths, pointers, documents)
     _check_contiguous(source, index, bin_size)
     return index
 

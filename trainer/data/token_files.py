@@ -3,8 +3,10 @@ what the ids mean.
 
 `OUT.bin` holds little-endian uint16 ids when the vocabulary fits in 16 bits, uint32 otherwise. `OUT.bin.json`
 holds the dtype, the vocabulary size, the tokenizer's identity (sha256 of its file), the end-of-document id,
-the token and document counts and the sha256 of the token bytes. A .bin without a sidecar is a plain
-nanoGPT file: uint16, its vocabulary only known from its largest id.
+the token and document counts, the sha256 of the token bytes and the sha256 of a few sampled blocks of them
+(`Fingerprint`): a start checks the size and the sampled blocks, a few MiB whatever the file's size, and
+`keel verify-data` the whole hash. A .bin without a sidecar is a plain nanoGPT file: uint16, its vocabulary
+only known from its largest id.
 
 `foreign_format` names the files that must never be read as token ids nor as text (compressed files,
 archives, NumPy arrays, Megatron indexes): keel.trainer.data.loader and `keel prepare-data` refuse them.
@@ -30,6 +32,11 @@ SIDECAR_FORMAT = "keel-tokens/1"
 FILE_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 SCAN_CHUNK = 64 * 1024 * 1024  # tokens per pass when hashing a file, so memory stays flat
 BYTE_CHUNK = 16 * 1024 * 1024  # bytes read at a time when the tokens are the bytes
+# A fingerprint hashes SAMPLE_BLOCKS blocks of SAMPLE_BLOCK_BYTES, the first and the last included and the rest
+# evenly between (the whole file when it is smaller): 2 MiB read, whatever the file's size. Part of the
+# sidecar format: changing them makes every recorded sampled hash disagree.
+SAMPLE_BLOCKS = 32
+SAMPLE_BLOCK_BYTES = 64 * 1024
 # The first bytes of formats a token file or a text input is sometimes mistaken for: (magic, what the file
 # is, the fix). Each is 3 bytes or more, so uint16 token ids start with one by chance in under one file in
 # ten million.
@@ -57,6 +64,7 @@ class Sidecar:
     documents: int
     sha256: str  # of the token bytes, as on disk
     format: str = SIDECAR_FORMAT
+    sampled_sha256: str | None = None  # of the blocks a Fingerprint samples; None in sidecars written before it was recorded
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,38 @@ class TokenScan:
     sha256: str
     min_id: int
     max_id: int
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What tells, without reading it all, that a file is the one it was: a file changed in place almost
+    always changes its size, its modification time or one of its sampled blocks. Not a proof: a change
+    that keeps all three is only found by reading every byte (`keel verify-data`)."""
+
+    size: int
+    mtime_ns: int
+    sampled_sha256: str
+
+
+def fingerprint(path: str | os.PathLike) -> Fingerprint:
+    stat = os.stat(path)
+    return Fingerprint(stat.st_size, stat.st_mtime_ns, sampled_sha256(path, stat.st_size))
+
+
+def sampled_blocks(size: int) -> list[tuple[int, int]]:
+    """(offset, length) of the blocks a fingerprint hashes in a file of `size` bytes."""
+    if size <= SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
+        return [(0, size)]
+    last = size - SAMPLE_BLOCK_BYTES
+    return [(i * last // (SAMPLE_BLOCKS - 1), SAMPLE_BLOCK_BYTES) for i in range(SAMPLE_BLOCKS)]
+
+
+def sampled_sha256(path: str | os.PathLike, size: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for offset, length in sampled_blocks(size):
+            digest.update(os.pread(f.fileno(), length, offset))
+    return digest.hexdigest()
 
 
 def sidecar_path(bin_path: str | os.PathLike) -> Path:
@@ -98,8 +138,9 @@ def dtype_for_vocab(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
-def scan_tokens(tokens: np.ndarray) -> TokenScan:
-    """Hashes the array's bytes and finds its smallest and largest id, one bounded chunk at a time."""
+def scan_tokens(tokens: np.ndarray, on_chunk: Callable[[int, int], None] | None = None) -> TokenScan:
+    """Hashes the array's bytes and finds its smallest and largest id, one bounded chunk at a time.
+    `on_chunk(bytes_read, tokens_read)` follows the progress."""
     digest = hashlib.sha256()
     lo, hi = 0, 0
     for start in range(0, len(tokens), SCAN_CHUNK):
@@ -107,6 +148,8 @@ def scan_tokens(tokens: np.ndarray) -> TokenScan:
         digest.update(memoryview(np.ascontiguousarray(chunk)).cast("B"))
         lo = min(lo, int(chunk.min())) if start else int(chunk.min())
         hi = max(hi, int(chunk.max()))
+        if on_chunk is not None:
+            on_chunk(chunk.nbytes, start + len(chunk))
     return TokenScan(digest.hexdigest(), lo, hi)
 
 
@@ -141,8 +184,16 @@ class TokenFileWriter:
 
     def finish(self) -> Sidecar:
         self._file.close()
+        sampled = sampled_sha256(self._tmp_path, self.tokens * self.dtype.itemsize)  # 2 MiB just written: no second pass
         sidecar = Sidecar(
-            self.dtype_name, self.vocab_size, self.tokenizer, self.eod_id, self.tokens, self.documents, self._digest.hexdigest()
+            self.dtype_name,
+            self.vocab_size,
+            self.tokenizer,
+            self.eod_id,
+            self.tokens,
+            self.documents,
+            self._digest.hexdigest(),
+            sampled_sha256=sampled,
         )
         # The sidecar goes first: a stale sidecar beside a new file fails its hash check at open, loudly,
         # while a new sidecar can never be read beside a truncated file (the rename is atomic).
@@ -188,7 +239,8 @@ def read_sidecar(source: str, bin_path: Path) -> Sidecar:
 
 
 def check_sidecar(source: str, sidecar: Sidecar, nbytes: int, scan: TokenScan | None) -> None:
-    """Refuses a sidecar that does not describe its file: size, content hash, ids within its vocabulary."""
+    """Refuses a sidecar that does not describe its file: its size, and with a full `scan` of it its content
+    hash and ids within its vocabulary."""
     itemsize = FILE_DTYPES[sidecar.dtype].itemsize
     if nbytes != sidecar.tokens * itemsize:
         raise ConfigError(
@@ -203,6 +255,14 @@ def check_sidecar(source: str, sidecar: Sidecar, nbytes: int, scan: TokenScan | 
     if scan.max_id >= sidecar.vocab_size:
         raise ConfigError(
             f"data.source={source}: token id {scan.max_id} is outside the sidecar's vocabulary of {sidecar.vocab_size}; remake it with `keel prepare-data`"
+        )
+
+
+def check_sampled(source: str, sidecar: Sidecar, sampled: str) -> None:
+    """Refuses a file whose sampled blocks (`sampled`, their sha256 now) are not those its sidecar recorded."""
+    if sampled != sidecar.sampled_sha256:
+        raise ConfigError(
+            f"data.source={source}: the sha256 of the file's sampled blocks {sampled[:16]} is not its sidecar's {(sidecar.sampled_sha256 or '')[:16]}: the tokens changed since they were written; remake it with `keel prepare-data`"
         )
 
 
