@@ -20,6 +20,7 @@ commands:
   estimate       GPU-hours, days and cost of a job from its parameters and tokens (keel estimate --help)
   plan           which pp x dp x tp layout: memory, bubble, communication and speed of each (keel plan --help)
   prepare-data   make a token file from text files, as bytes or with a tokenizer (keel prepare-data --help)
+  verify-data    read token files whole and check them against their sidecar or kept scan (keel verify-data --help)
 """
 
 
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         from keel.trainer.planning.planner import main as run
     elif command == "prepare-data":
         from keel.trainer.data.prepare import main as run
+    elif command == "verify-data":
+        from keel.trainer.data.verify import main as run
     else:
         print(f"keel: error: unknown command '{command}'\n{USAGE}", end="", file=sys.stderr)
         return EXIT_CONFIG
