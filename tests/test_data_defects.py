@@ -227,11 +227,11 @@ def test_a_data_source_that_is_not_token_ids_is_refused(tmp_path: Path, data, ex
 @pytest.mark.parametrize(
     "name, data, expected",
     [
-        ("notes.txt.gz", gzip.compress(b"some notes\n" * 100), "gzip-compressed"),
-        ("records.jsonl", b'{"text": "a document"}\n{"text": "another"}\n', "JSON Lines"),
+        ("notes.txt.gz", gzip.compress(b"some notes\n" * 100)[:-12], "not a whole gzip-compressed stream"),  # truncated
+        ("records.jsonl", b'{"body": "a document"}\n{"body": "another"}\n', "no field 'text'"),
         ("train.bin", np.arange(1000, dtype="<u2").tobytes(), "binary"),
     ],
-    ids=["gzip", "jsonl", "binary"],
+    ids=["truncated-gzip", "jsonl-without-text", "binary"],
 )
 def test_prepare_data_refuses_inputs_that_are_not_text(tmp_path: Path, capsys, name, data, expected):
     (tmp_path / name).write_bytes(data)

@@ -1,21 +1,24 @@
-"""`keel prepare-data OUT.bin INPUTS...`: turns text files into a token file that data.source can name.
+"""`keel prepare-data OUT.bin INPUTS...`: turns a corpus, as it comes, into a token file that data.source can name.
 
-Each input file is one document. Without a tokenizer the tokens are the files' bytes, concatenated
-(vocabulary 256). With `--tokenizer tokenizer.json`, or `--train-tokenizer N` (a byte-level BPE tokenizer
-of N tokens trained on the inputs first and saved as OUT.bin.tokenizer.json), the text is encoded by the Hugging
-Face tokenizers library and documents are separated by the end-of-document id. The output is uint16 when
-the vocabulary fits, uint32 otherwise, with its sidecar OUT.bin.json (keel.trainer.data.token_files). Inputs are
-streamed and the output written as it is made, so a corpus larger than memory is fine. Progress (bytes
-and tokens per second) goes to stderr.
+Inputs are plain text files (a file is a document), JSON Lines (a line is a document, its text in
+--text-field), Parquet files and saved Hugging Face datasets (a row is a document, its text in the column
+--text-field), any of the files gzip-, zstd-, bzip2- or xz-compressed, and directories of them. Without a
+tokenizer the tokens are the documents' UTF-8 bytes, concatenated (vocabulary 256). With `--tokenizer FILE`
+(a Hugging Face tokenizer.json, a SentencePiece .model or a tiktoken .tiktoken file), or `--train-tokenizer
+N` (a byte-level BPE tokenizer of N tokens trained on the inputs first and saved as OUT.bin.tokenizer.json),
+documents are encoded and separated by the end-of-document id. The output is uint16 when the vocabulary fits,
+uint32 otherwise, with its sidecar OUT.bin.json (keel.trainer.data.token_files). Inputs are streamed and the
+output written as it is made, so a corpus larger than memory is fine. Progress (bytes and tokens per
+second) goes to stderr.
 
 Nothing is lost or made up: an existing OUT.bin is replaced only with --force, and only when it is a token
-file this command wrote; inputs that are not plain text (compressed, binary, JSON Lines) are refused.
+file this command wrote; an input that is not text (binary, not UTF-8, a record without its text, a damaged
+compressed stream) is refused in one line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,26 +26,16 @@ from pathlib import Path
 import numpy as np
 
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
-from keel.monitor.hashing import sha256_file
 from keel.trainer.config import ConfigError
-from keel.trainer.data.token_files import (
-    Sidecar,
-    TokenFileWriter,
-    check_sidecar,
-    foreign_format,
-    read_head,
-    read_sidecar,
-    sidecar_path,
-    write_token_file,
-)
+from keel.trainer.data.text_inputs import CHUNK_BYTES, PrepareError, TextInput, find_inputs, read_chunks
+from keel.trainer.data.token_files import Sidecar, TokenFileWriter, check_sidecar, read_sidecar, sidecar_path
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 PROGRESS_EVERY_S = 0.5  # on a terminal; elsewhere (a log file) a line every PROGRESS_LOG_EVERY_S
 PROGRESS_LOG_EVERY_S = 30.0
-JSON_LINE_LIMIT = 16 * 1024 * 1024  # bytes of a first line read to tell JSON Lines from text
 
 
-class UsageError(ValueError):
+class UsageError(PrepareError):
     """Bad arguments or inputs: one line on stderr, exit code EXIT_CONFIG."""
 
 
@@ -54,11 +47,33 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="keel prepare-data", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", type=Path, metavar="OUT.bin", help="the token file to write (its sidecar is OUT.bin.json)")
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, or directories (all files below, sorted); one document per file")
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="text, JSON Lines or Parquet files (maybe .gz, .zst, .bz2, .xz), saved Hugging Face datasets, or directories of them (all below, sorted)",
+    )
     how = p.add_mutually_exclusive_group()
-    how.add_argument("--tokenizer", type=Path, metavar="TOKENIZER.json", help="a local Hugging Face tokenizer file to encode with")
+    how.add_argument(
+        "--tokenizer",
+        type=Path,
+        metavar="FILE",
+        help="a local tokenizer to encode with: a Hugging Face tokenizer.json, a SentencePiece .model or a tiktoken .tiktoken",
+    )
     how.add_argument("--train-tokenizer", type=int, metavar="N", help="train a byte-level BPE tokenizer of N tokens on the inputs first")
-    p.add_argument("--eod", metavar="TOKEN", help="the end-of-document token (default: the tokenizer's <|endoftext|>, </s>, ...)")
+    p.add_argument("--eod", metavar="TOKEN", help="the end-of-document token (default: the tokenizer's <|endoftext|>, </s>, its eos, ...)")
+    p.add_argument(
+        "--text-field",
+        default="text",
+        metavar="NAME",
+        help="the field (JSON Lines) or column (Parquet, datasets) holding a document's text (default: text)",
+    )
+    p.add_argument("--split", metavar="NAME", help="the split of a saved DatasetDict to read (default: train)")
+    p.add_argument(
+        "--tiktoken-pattern",
+        metavar="ENCODING",
+        help="a .tiktoken file's split pattern: that of tiktoken's public encoding ENCODING (default: cl100k_base)",
+    )
     p.add_argument("--force", action="store_true", help="replace OUT.bin when it is a token file this command wrote")
     return p
 
@@ -67,57 +82,26 @@ def main(argv: list[str]) -> int:
     try:
         opts = build_parser().parse_args(argv)
         check_outputs(opts.out, _trained_tokenizer_path(opts), opts.force)
-        files = input_files(opts.out, opts.inputs)
-        sidecar = prepare(opts, files)
-    except (UsageError, OSError) as e:
+        inputs = input_files(opts)
+        sidecar = prepare(opts, inputs)
+    except (PrepareError, OSError) as e:
         print(f"keel prepare-data: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    print(f"wrote {sidecar.tokens:,} tokens ({sidecar.dtype}, vocabulary {sidecar.vocab_size:,}) from {len(files)} files to {opts.out}")
+    print(
+        f"wrote {sidecar.tokens:,} tokens ({sidecar.dtype}, vocabulary {sidecar.vocab_size:,}) of {sidecar.documents:,} documents from {len(inputs)} inputs to {opts.out}"
+    )
     return EXIT_OK
 
 
-def input_files(out: Path, inputs: list[str]) -> list[Path]:
-    """The files to read, in order; directories give all their files below, sorted. Refuses inputs with no bytes."""
-    files: list[Path] = []
-    for name in inputs:
-        p = Path(name)
-        if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.is_file() and not _is_output(f, out))
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise UsageError(f"{name}: no such file or directory")
-    for f in files:
-        check_text(f)
-    if not any(f.stat().st_size for f in files):
-        raise UsageError(f"the inputs {inputs} hold no text; pass non-empty text files")
-    return files
-
-
-def check_text(path: Path) -> None:
-    """Refuses an input that is not plain text: its bytes would become tokens that are not its text."""
-    head = read_head(path)
-    foreign = foreign_format(head)
-    if foreign is not None:
-        what, fix = foreign
-        raise UsageError(f"{path}: is {what}, not text; {fix}")
-    if b"\x00" in head:
-        raise UsageError(f"{path}: is binary (a zero byte at offset {head.index(0)}), not UTF-8 text; pass text files")
-    if _is_json_lines(path, head):
-        raise UsageError(
-            f"{path}: holds JSON records (JSON Lines), not plain text: their keys and quoting would be trained on; write each record's text to a file of its own (a file is a document) and pass those"
-        )
-
-
-def _is_json_lines(path: Path, head: bytes) -> bool:
-    if not head.lstrip().startswith(b"{"):
-        return False
-    with open(path, "rb") as f:
-        first_line = f.readline(JSON_LINE_LIMIT)
-    try:
-        return isinstance(json.loads(first_line), dict)
-    except ValueError:
-        return False
+def input_files(opts: argparse.Namespace) -> list[TextInput]:
+    """The inputs to read, in order, each with its format (keel.trainer.data.text_inputs). Refuses inputs with no bytes."""
+    inputs = find_inputs(opts.inputs, opts.split, excluded=lambda path: _is_output(path, opts.out))
+    if not any(item.nbytes for item in inputs):
+        raise UsageError(f"the inputs {opts.inputs} hold no text; pass non-empty text files")
+    for item in inputs:
+        if item.note:
+            print(item.note, file=sys.stderr)
+    return inputs
 
 
 def check_outputs(out: Path, trained_tokenizer: Path | None, force: bool) -> None:
@@ -154,25 +138,19 @@ def _is_output(path: Path, out: Path) -> bool:
     return path.resolve().name.startswith(out.name) and path.resolve().parent == out.resolve().parent
 
 
-def prepare(opts: argparse.Namespace, files: list[Path]) -> Sidecar:
-    """Writes the token file and returns its sidecar."""
-    if opts.tokenizer is None and opts.train_tokenizer is None:
-        return _prepare_bytes(opts.out, files)
-    # Imported here: the tokenizers library is needed by this path only.
+def prepare(opts: argparse.Namespace, inputs: list[TextInput]) -> Sidecar:
+    """Writes the token file and returns its sidecar: one path for every kind of tokenizer, bytes included."""
+    # Imported here: the tokenizers library is needed by this command only.
     from keel.trainer.data import text_tokenizers as tt
 
-    try:
-        tokenizer, tokenizer_path = _tokenizer(opts, files)
-        eod = tt.eod_id(tokenizer, str(tokenizer_path), opts.eod)
-    except tt.TokenizerError as e:
-        raise UsageError(str(e)) from None
-    identity = {"kind": "huggingface", "file": tokenizer_path.name, "sha256": sha256_file(tokenizer_path)}
-    encoder = tt.DocumentEncoder(tokenizer)
-    if not encoder.chunked:
-        print(f"tokenizer {tokenizer_path}: chunks do not decode as whole documents; each file is encoded whole", file=sys.stderr)
-    chunks = tt.read_chunks(files) if encoder.chunked else tt.read_documents(files)
-    progress = Progress(sum(f.stat().st_size for f in files))
-    with TokenFileWriter(opts.out, tokenizer.get_vocab_size(), identity, eod) as writer:
+    tokenizer = _tokenizer(opts, inputs)
+    chunked = tt.chunks_decode_as_whole(tokenizer)
+    if not chunked:
+        name = tokenizer.identity.get("file")
+        print(f"tokenizer {name}: chunks do not decode as whole documents; each file is encoded whole, as each record is", file=sys.stderr)
+    chunks = read_chunks(inputs, opts.text_field, CHUNK_BYTES if chunked else None)
+    progress = Progress(sum(item.nbytes for item in inputs))
+    with TokenFileWriter(opts.out, tokenizer.vocab_size, tokenizer.identity, tokenizer.eod_id) as writer:
 
         def on_ids(ids: np.ndarray, chunk: tt.Chunk) -> None:
             writer.write(ids)
@@ -181,9 +159,11 @@ def prepare(opts: argparse.Namespace, files: list[Path]) -> Sidecar:
             progress.update(chunk.nbytes, writer.tokens)
 
         try:
-            tt.encode_stream(encoder, chunks, on_ids)
-        finally:
-            progress.end()
+            tt.encode_stream(tokenizer, chunks, on_ids)
+        except BaseException:
+            progress.abandon()  # a refusal mid-stream is the one line of stderr that the user reads
+            raise
+        progress.end()
         return writer.finish()
 
 
@@ -192,24 +172,27 @@ def _trained_tokenizer_path(opts: argparse.Namespace) -> Path | None:
     return Path(f"{opts.out}.tokenizer.json") if opts.train_tokenizer is not None else None
 
 
-def _tokenizer(opts: argparse.Namespace, files: list[Path]):
-    """(the tokenizer, its file): the one named by --tokenizer, or one trained on `files` for --train-tokenizer."""
+def _tokenizer(opts: argparse.Namespace, inputs: list[TextInput]):
+    """The TextTokenizer: the file named by --tokenizer, one trained on `inputs` for --train-tokenizer, or bytes."""
     from keel.trainer.data import text_tokenizers as tt
 
+    if opts.tokenizer is not None:
+        return tt.load_text_tokenizer(opts.tokenizer, opts.eod, opts.tiktoken_pattern)
+    if opts.tiktoken_pattern is not None:
+        raise UsageError(
+            f"--tiktoken-pattern {opts.tiktoken_pattern}: applies to a tiktoken BPE file (--tokenizer NAME.tiktoken) only; leave it out"
+        )
     if opts.train_tokenizer is None:
-        return tt.load_tokenizer(opts.tokenizer), opts.tokenizer
+        if opts.eod is not None:
+            raise UsageError(
+                f"--eod {opts.eod}: bytes have no end-of-document token; pass --tokenizer or --train-tokenizer, or leave it out"
+            )
+        return tt.ByteTokenizer()
     path = _trained_tokenizer_path(opts)
-    tokenizer = tt.train_bpe(files, opts.train_tokenizer, path)
+    texts = (chunk.text for chunk in read_chunks(inputs, opts.text_field))
+    tokenizer = tt.train_bpe(texts, opts.train_tokenizer, path)
     print(f"trained a BPE tokenizer of {tokenizer.get_vocab_size():,} tokens: {path}")
-    return tokenizer, path
-
-
-def _prepare_bytes(out: Path, files: list[Path]) -> Sidecar:
-    progress = Progress(sum(f.stat().st_size for f in files))
-    try:
-        return write_token_file(out, files, on_chunk=progress.update)
-    finally:
-        progress.end()
+    return tt.HuggingFaceTokenizer(tokenizer, path, opts.eod)
 
 
 class Progress:
@@ -224,6 +207,7 @@ class Progress:
         self.shown = self.started
         self.interactive = self.stream.isatty()
         self.every_s = PROGRESS_EVERY_S if self.interactive else PROGRESS_LOG_EVERY_S
+        self.line_open = False  # a line rewritten in place (\r) is on the terminal
 
     def update(self, nbytes: int, tokens: int) -> None:
         self.bytes += nbytes
@@ -236,8 +220,14 @@ class Progress:
     def end(self) -> None:
         self._show(end="\n")
 
+    def abandon(self) -> None:
+        """Ends a line rewritten in place, so that what follows starts a line of its own; shows nothing more."""
+        if self.line_open:
+            print(file=self.stream, flush=True)
+
     def _show(self, end: str) -> None:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         mib, total = self.bytes / 2**20, self.total_bytes / 2**20
         line = f"{mib:,.1f}/{total:,.1f} MiB | {mib / elapsed:,.2f} MiB/s | {self.tokens:,} tokens | {self.tokens / elapsed:,.0f} tok/s"
         print(line, end=end, file=self.stream, flush=True)
+        self.line_open = end == "\r"
