@@ -22,7 +22,7 @@ from pathlib import Path
 
 from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from keel.trainer.config import ConfigError, JobConfig, check_run_dir
-from keel.trainer.data.loader import open_job_tokens
+from keel.trainer.data.blend import open_job_data
 from keel.trainer.launch.launcher import parse_train_args, resolve_run_dir, torchrun_command, worker_env
 
 RESULTS_FILE = "preflight.json"
@@ -111,7 +111,7 @@ def main(argv: list[str]) -> int:
         resolve_run_dir(cfg)
         check_run_dir(cfg.run.run_dir)
         # A missing, empty or too-wide data file fails here, once, not in every worker.
-        open_job_tokens(cfg)
+        open_job_data(cfg)
         cmd = worker_command(cfg, train_opts, opts.timeout, [*argv, f"--run.run_id={cfg.run.run_id}", f"--run.run_dir={cfg.run.run_dir}"])
     except ConfigError as e:
         print(f"keel preflight: error: {e}", file=sys.stderr)

@@ -29,7 +29,8 @@ from keel.chaos.preflight import Check, parse_preflight_args
 from keel.monitor.exits import EXIT_FAILED, EXIT_OK
 from keel.monitor.run_dir import CHECKPOINT_DIR
 from keel.trainer.config import JobConfig
-from keel.trainer.data.loader import BatchSampler, open_job_tokens
+from keel.trainer.data.blend import open_job_data
+from keel.trainer.data.loader import BatchSampler
 from keel.trainer.launch.launcher import parse_train_args
 from keel.trainer.model_args import model_args
 from keel.trainer.optim import build_optimizer, clip_grads
@@ -260,8 +261,10 @@ def overfit(cfg: JobConfig, layout: parallelize.Layout, device: torch.device, wo
     parts = parallelize.build_model_parts(cfg, model_args(cfg), layout, device, bf16)
     schedule = parallelize.build_schedule(cfg, parts, layout, device, parallelize.loss_fn) if layout.pp > 1 else None
     optimizer = build_optimizer(parts, cfg.optim)
-    source = open_job_tokens(cfg)
-    sampler = BatchSampler(source.tokens, cfg.data.seq_len, cfg.training.global_batch_size, layout.dp_rank, layout.dp, cfg.training.seed)
+    data = open_job_data(cfg)
+    sampler = BatchSampler(
+        data.tokens, cfg.data.seq_len, cfg.training.global_batch_size, layout.dp_rank, layout.dp, cfg.training.seed, weights=data.weights
+    )
     inputs, targets = (torch.from_numpy(a).to(device) for a in sampler.next_batch())
     t0, losses = time.perf_counter(), []
     for step in range(1, steps + 1):

@@ -1,4 +1,5 @@
-"""`keel metrics RUN_DIR`: print a run's step metrics from its run store, as a table or as CSV."""
+"""`keel metrics RUN_DIR`: print a run's step metrics from its run store, as a table or as CSV; under the table,
+a run on a blend of sources (data.sources) gets each source's share of the tokens read."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from keel.monitor import metric_registry
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
-from keel.monitor.store import read_steps
+from keel.monitor.store import read_data_sources, read_steps
 
 
 def _table() -> tuple[list[str], dict[str, Callable[[Any], str]]]:
@@ -45,5 +46,17 @@ def main(argv: list[str]) -> int:
     else:
         # "-" marks a value that was not recorded, such as comm_share on a step where it was not sampled.
         columns, formats = _table()
+        columns = [c for c in columns if steps[c].notna().any()]  # e.g. validation_loss of a run that never evaluated
         print(steps[columns].to_string(index=False, formatters=formats, na_rep="-"))
+        _print_data_sources(args.run_dir)
     return EXIT_OK
+
+
+def _print_data_sources(run_dir: str) -> None:
+    """A blend's sources: each one's weight and its share of the tokens read by the steps that count."""
+    sources = read_data_sources(run_dir)
+    if sources.empty:
+        return
+    print("\ndata sources (tokens read by the steps that count):")
+    formats = {"weight": "{:.4g}".format, "tokens": "{:,}".format, "share": "{:.2%}".format}
+    print(sources[["source", "weight", "tokens", "share"]].to_string(index=False, formatters=formats))

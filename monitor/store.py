@@ -13,6 +13,10 @@ The metrics a user's own code reports under names of its choosing (keel.monitor.
 a table of their own, `custom_metrics`, a row per step, attempt and name, written with their step row;
 `read_custom_metrics` reads them, by the same rule for what counts.
 
+A run on a blend of token sources (data.sources) records the tokens each step read from each source in
+`data_tokens`, and its sources in the meta (`data_sources`); `read_data_sources` adds them up per source, by
+the same rule.
+
 pandas is imported by the readers only, when they first read: the writer is imported by every trainer
 process, to which pandas would add 0.5 s of CPU at each start.
 """
@@ -74,6 +78,12 @@ _CUSTOM_TYPES: dict[str, type] = {"step": int, "attempt": int, "name": str, "val
 CUSTOM_COLUMNS: tuple[str, ...] = tuple(_CUSTOM_TYPES)
 _CUSTOM_TABLE = "custom_metrics"
 
+# The tokens each step read from each source of a blend, by its index in the meta's `data_sources`.
+_DATA_TOKEN_TYPES: dict[str, type] = {"step": int, "attempt": int, "source": int, "tokens": int}
+_DATA_TOKEN_KEY = ("step", "attempt", "source")
+_DATA_TOKEN_TABLE = "data_tokens"
+DATA_SOURCES_META = "data_sources"  # the meta key of a blend's sources: [{source, weight, version, description}]
+
 
 _SQL_TYPES = {int: "INTEGER", float: "REAL", str: "TEXT"}
 
@@ -94,6 +104,7 @@ def _schema(step_types: dict[str, type]) -> str:
             "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)",
             f"CREATE TABLE IF NOT EXISTS {_CUSTOM_TABLE} (id INTEGER PRIMARY KEY AUTOINCREMENT, step INTEGER NOT NULL,"
             " attempt INTEGER NOT NULL, name TEXT NOT NULL, value REAL, UNIQUE (step, attempt, name))",
+            _table_ddl(_DATA_TOKEN_TABLE, _DATA_TOKEN_TYPES, _DATA_TOKEN_KEY),
         ]
     )
 
@@ -109,6 +120,7 @@ _INSERT_EVENT = _insert_sql("events", _EVENT_COLUMNS)
 _INSERT_META = _insert_sql("meta", ("key", "value"))
 _INSERT_CUSTOM = _insert_sql(_CUSTOM_TABLE, CUSTOM_COLUMNS)
 _DELETE_CUSTOM = f"DELETE FROM {_CUSTOM_TABLE} WHERE step = ? AND attempt = ?"
+_INSERT_DATA_TOKENS = _insert_sql(_DATA_TOKEN_TABLE, _DATA_TOKEN_TYPES)
 
 # A writer waits this long for another writer (another rank writing an event) before giving up.
 _LEAVE_WAL_WAIT_MS = 1000  # how long closing waits for a reader to finish before it leaves WAL mode
@@ -239,6 +251,14 @@ class RunStore:
         with self._lock, self._conn:
             self._conn.execute(_INSERT_EVENT, values)
 
+    def write_data_tokens(self, step: int, attempt: int, tokens: Iterable[int]) -> None:
+        """The tokens step `step` of `attempt` read from each source of the run's blend, in the order of the
+        meta's `data_sources`. Written again for the same step and attempt (the step run again after an
+        out-of-memory), they replace the earlier ones."""
+        rows = [(int(step), int(attempt), source, int(n)) for source, n in enumerate(tokens)]
+        with self._lock, self._conn:
+            self._conn.executemany(_INSERT_DATA_TOKENS, rows)
+
     def set_meta(self, key: str, value: Any) -> None:
         """Store one piece of run metadata (run_id, resolved config, MFU basis, ...) as JSON."""
         encoded = json.dumps(value, default=_json_default)
@@ -361,6 +381,31 @@ def _typed_custom(df: pd.DataFrame | None) -> pd.DataFrame:
 
         df = pd.DataFrame()
     return _typed(df, _CUSTOM_TYPES, _STEP_KEY)  # step and attempt are never NULL
+
+
+# Only the rows of steps that were recorded: a step that died before its row leaves its data row behind.
+_EFFECTIVE_DATA_TOKENS = f"""{_CUTOFFS}
+SELECT source, SUM({_DATA_TOKEN_TABLE}.tokens) AS tokens FROM {_DATA_TOKEN_TABLE} JOIN steps USING (step, attempt) JOIN cutoffs USING (attempt)
+WHERE next_start IS NULL OR step < next_start GROUP BY source
+"""
+
+
+def read_data_sources(run_dir: str | Path) -> pd.DataFrame:
+    """The sources of a run on a blend (data.sources), a row each in the blend's order: source (as the config
+    names it), weight (normalized), version, tokens and share. `tokens` are those the run's steps read from
+    the source, counted by the rule of read_steps(effective=True) (the steps that count, each once), so the
+    sources' tokens add up to the last step's `tokens`; `share` is their fraction. No rows for a run of one
+    source (data.source) or a store written before blends."""
+    import pandas as pd
+
+    with closing(_connect_read_only(run_dir)) as conn:
+        found = conn.execute("SELECT value FROM meta WHERE key = ?", (DATA_SOURCES_META,)).fetchone()
+        counted = dict(conn.execute(_EFFECTIVE_DATA_TOKENS).fetchall()) if found and _has_table(conn, _DATA_TOKEN_TABLE) else {}
+    sources = pd.DataFrame(json.loads(found[0]) if found else [], columns=["source", "weight", "version"])
+    sources["tokens"] = [int(counted.get(i, 0)) for i in range(len(sources))]
+    total = sources["tokens"].sum()
+    sources["share"] = sources["tokens"] / total if total else 0.0
+    return sources.astype({"weight": "float64", "tokens": "int64", "share": "float64"})
 
 
 def _has_table(conn: sqlite3.Connection, table: str) -> bool:

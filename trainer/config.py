@@ -70,6 +70,10 @@ class DataConfig:
     # (`keel prepare-data`'s, with its JSON sidecar, or nanoGPT's uint16 .bin) or a Megatron-LM indexed
     # dataset's PREFIX (PREFIX.bin + PREFIX.idx): docs/data.md.
     source: str = "builtin"
+    # A blend instead of data.source, as Megatron-LM's --data-path: a weight, then its source, in pairs, e.g.
+    # ["0.7", "web.bin", "0.3", "code.bin"] ('0.7;web.bin;0.3;code.bin' on the command line). Each batch row
+    # draws its source by weight (normalized to sum to 1). []: data.source alone. docs/data.md#blends.
+    sources: list[str] = field(default_factory=list)
     # The tokenizer.json the job's model expects ("": not checked): a token file whose sidecar names
     # another tokenizer (by sha256) is refused before any worker starts.
     tokenizer: str = ""
@@ -90,6 +94,24 @@ class DataConfig:
                 f"data.val_fraction={self.val_fraction}: must be in [0, {MAX_VAL_FRACTION}]; 0 holds nothing out, 0.01 keeps the last 1% of the tokens for validation"
             )
         parse_skip_ranges(self.skip_batches)
+        self._validate_sources()
+
+    def _validate_sources(self) -> None:
+        from keel.trainer.data.blend import parse_sources  # here, not at the top: it imports this module
+
+        if not self.sources:
+            return
+        if self.source != DataConfig.source:  # the field's default
+            raise ConfigError(
+                f"data.source={self.source} and data.sources={self.sources} are both set; a blend names all its sources in data.sources: "
+                f"add {self.source} there with a weight, or unset data.sources"
+            )
+        if self.val_fraction:
+            raise ConfigError(
+                f"data.val_fraction={self.val_fraction} holds out the end of data.source, and a blend (data.sources) has no one end; "
+                f"set data.val_fraction=0 and name the validation data with --eval.source=PATH"
+            )
+        parse_sources(self.sources)
 
 
 @dataclass

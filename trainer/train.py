@@ -16,11 +16,12 @@ import torch.distributed as dist
 
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
 from keel.monitor.run_dir import STORE_FILE
-from keel.monitor.store import read_meta
+from keel.monitor.store import DATA_SOURCES_META, read_meta
 from keel.trainer import exposed_comm, flops, oom
 from keel.trainer.checkpoint.checkpointer import WholeModel, manifest_info
 from keel.trainer.config import ConfigError, JobConfig
-from keel.trainer.data.loader import BatchSampler, open_job_tokens, open_tokens, parse_skip_ranges
+from keel.trainer.data.blend import open_job_data
+from keel.trainer.data.loader import BatchSampler, open_tokens, parse_skip_ranges
 from keel.trainer.data.validation import ValidationBatches, held_out
 from keel.trainer.evaluate import validation_loss
 from keel.trainer.launch.launcher import parse_train_args, resolve_run_dir
@@ -111,11 +112,18 @@ class Trainer:
         return loss if self.evaluating else self.run.faults.corrupt_loss(loss)  # the chaos hook point on the training loss
 
     def _build_data(self) -> None:
-        cfg = self.cfg
-        self.source = open_job_tokens(cfg)
-        training_tokens, self.held_out_tokens = held_out(self.source.tokens, cfg.data.val_fraction)
+        """The job's data (data.source, or a blend of sources: keel.trainer.data.blend) and the sampler. Rank 0
+        records a blend's sources and the tokens each step reads from each of them."""
+        cfg, run = self.cfg, self.run
+        self.source = open_job_data(cfg)
+        # data.val_fraction holds out the end of data.source; a blend holds nothing out (DataConfig refuses it).
+        first, *others = self.source.sources
+        training_tokens, self.held_out_tokens = held_out(first.tokens, cfg.data.val_fraction)
+        store = run.recorder.store if run.recorder is not None and others else None
+        if store is not None:
+            store.set_meta(DATA_SOURCES_META, self.source.record())
         self.sampler = BatchSampler(
-            training_tokens,
+            [training_tokens, *(source.tokens for source in others)],
             cfg.data.seq_len,
             cfg.training.global_batch_size,
             self.layout.dp_rank,
@@ -123,7 +131,9 @@ class Trainer:
             cfg.training.seed,
             parse_skip_ranges(cfg.data.skip_batches),
             self.model_args.vocab_size,
-            self.run.faults.corrupt_batch,
+            run.faults.corrupt_batch,
+            weights=self.source.weights,
+            on_batch=None if store is None else (lambda tokens: store.write_data_tokens(run.step, run.attempt, tokens)),
         )
 
     def _build_validation(self) -> None:

@@ -36,7 +36,8 @@ def config_record(cfg: JobConfig, data_version: str) -> dict:
     shape = dataclasses.asdict(args)
     del shape["max_seq_len"]  # follows data.seq_len
     # data.skip_batches is not recorded: a resume may add a range to step over bad data.
-    data = {"source": cfg.data.source, "seq_len": cfg.data.seq_len}
+    data = {"sources": cfg.data.sources} if cfg.data.sources else {"source": cfg.data.source}  # a blend, or one source
+    data["seq_len"] = cfg.data.seq_len
     must_match = {"model": shape, "seq_len": cfg.data.seq_len, "data_version": data_version}
     return {
         "config_hash": hashlib.sha256(json.dumps(must_match, sort_keys=True).encode()).hexdigest()[:16],
@@ -62,14 +63,19 @@ def resume_differences(saved: dict, now: dict) -> tuple[list[str], str | None]:
     if seq_len != now["data"]["seq_len"]:
         refusals.append(f"data.seq_len: {seq_len} in the checkpoint, {now['data']['seq_len']} now")
     if saved["data_version"] != now["data_version"]:
-        source = f" (data.source={saved['data']['source']})" if "data" in saved else ""
+        source = f" ({_data_named(saved['data'])})" if "data" in saved else ""
         refusals.append(
-            f"data version: {saved['data_version']} in the checkpoint{source}, {now['data_version']} now (data.source={now['data']['source']})"
+            f"data version: {saved['data_version']} in the checkpoint{source}, {now['data_version']} now ({_data_named(now['data'])})"
         )
     layout = saved.get("parallel", {})
     if all(layout.get(k, now["parallel"][k]) == now["parallel"][k] for k in SPLIT_FIELDS):
         return refusals, None
     return refusals, f"parallel layout: {_layout(layout, now['parallel'])} in the checkpoint, {_layout(now['parallel'], layout)} now"
+
+
+def _data_named(data: dict) -> str:
+    """The data a manifest's record names: data.sources=[...] for a blend, else data.source=X."""
+    return f"data.sources={data['sources']}" if "sources" in data else f"data.source={data['source']}"
 
 
 def _padding_refusal(saved: dict, now: dict) -> list[str]:

@@ -28,7 +28,7 @@ import os
 import re
 import sys
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -277,7 +277,13 @@ def _megatron_tokens(source: str, bin_path: Path, idx_path: Path, checks: StartC
 
 
 class BatchSampler:
-    """Random fixed-length windows of `tokens`. Each dp rank reads its own rows of the global batch.
+    """Random fixed-length windows of `tokens`, or of a blend of token arrays drawn by `weights`. Each dp
+    rank reads its own rows of the global batch.
+
+    A blend (keel.trainer.data.blend) draws each row's source from the batch's own generator, by weight
+    (a multinomial draw, as numpy's `Generator.choice`), then the row's window in that source: a batch
+    stays a pure function of (seed, batch index, dp rank). One array draws no source, so a blend of one
+    source reads exactly the batches of that source alone.
 
     A batch with a token id outside the vocabulary (a damaged file, a wrong tokenizer) is never
     trained on: it is passed over and its index kept in `rejected`. Every rank checks the whole
@@ -285,7 +291,7 @@ class BatchSampler:
 
     def __init__(
         self,
-        tokens: np.ndarray,
+        tokens: np.ndarray | Sequence[np.ndarray],
         seq_len: int,
         global_batch_size: int,
         dp_rank: int,
@@ -294,14 +300,22 @@ class BatchSampler:
         skip_ranges: list[tuple[int, int]] = (),
         vocab_size: int | None = None,
         transform: Callable[[int, np.ndarray, int], np.ndarray] | None = None,
+        weights: Sequence[float] | None = None,
+        on_batch: Callable[[np.ndarray], None] | None = None,
     ):
         if global_batch_size % dp_size:
             raise ValueError(f"global_batch_size={global_batch_size} is not divisible by dp_size={dp_size}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is outside [0, {dp_size})")
-        if len(tokens) < seq_len + 1:
-            raise ValueError(f"{len(tokens)} tokens is fewer than seq_len+1={seq_len + 1}")
-        self.tokens = tokens
+        self.sources = [tokens] if isinstance(tokens, np.ndarray) else list(tokens)
+        self.weights = np.ones(1) if weights is None else np.asarray(weights, dtype=np.float64)
+        if len(self.weights) != len(self.sources) or not np.isclose(self.weights.sum(), 1.0):
+            raise ValueError(f"weights {list(self.weights)} must be one per token array ({len(self.sources)}) and sum to 1")
+        for source in self.sources:
+            if len(source) < seq_len + 1:
+                raise ValueError(f"{len(source)} tokens is fewer than seq_len+1={seq_len + 1}")
+        self._window_ends = np.array([len(source) - seq_len for source in self.sources])  # a window starts below its source's end
+        self._dtype = np.result_type(*(source.dtype for source in self.sources))
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
         self.local_batch_size = global_batch_size // dp_size
@@ -313,6 +327,8 @@ class BatchSampler:
         self.skip_ranges = dict(skip_ranges)
         self.vocab_size = vocab_size
         self.transform = transform  # (batch_index, window, vocab_size) -> window: the chaos hook on data
+        # Told of every batch returned: the tokens of its global batch read from each source (a blend's shares).
+        self.on_batch = on_batch
         self.rejected: list[int] = []  # batches passed over since the last take_rejected()
         self._window = np.arange(seq_len + 1)
 
@@ -324,19 +340,33 @@ class BatchSampler:
             # Every rank draws the whole global batch and keeps its own rows, so the union over dp ranks
             # is exactly the single-process batch whatever dp_size is.
             rng = np.random.default_rng([self.seed, self.batch_index])
-            offsets = rng.integers(0, len(self.tokens) - self.seq_len, size=self.global_batch_size)
             # Plain numpy: the launcher validates data without paying for importing torch. The check
-            # reads the whole global batch in the file's own dtype; only this rank's rows become int64.
-            window = np.asarray(self.tokens[offsets[:, None] + self._window])
+            # reads the whole global batch in the files' own dtype; only this rank's rows become int64.
+            rows_source, window = self._draw(rng)
             if self.transform is not None:
                 window = self.transform(self.batch_index, window.astype(np.int64), self.vocab_size)
             self.batch_index += 1
             if self.vocab_size is None or int(window.max()) < self.vocab_size:
                 break
             self.rejected.append(self.batch_index - 1)
+        if self.on_batch is not None:
+            self.on_batch(np.bincount(rows_source, minlength=len(self.sources)) * self.seq_len)
         lo = self.dp_rank * self.local_batch_size
         rows = window[lo : lo + self.local_batch_size].astype(np.int64)
         return rows[:, :-1], rows[:, 1:]
+
+    def _draw(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """(each row's source, the global batch's windows [global_batch_size, seq_len + 1]) from the batch's generator."""
+        if len(self.sources) == 1:  # no draw of sources: exactly the windows of the source read alone
+            offsets = rng.integers(0, self._window_ends[0], size=self.global_batch_size)
+            return np.zeros(self.global_batch_size, dtype=np.int64), np.asarray(self.sources[0][offsets[:, None] + self._window])
+        rows_source = rng.choice(len(self.sources), size=self.global_batch_size, p=self.weights)
+        offsets = rng.integers(0, self._window_ends[rows_source])
+        window = np.empty((self.global_batch_size, self.seq_len + 1), dtype=self._dtype)
+        for i, source in enumerate(self.sources):
+            rows = np.flatnonzero(rows_source == i)
+            window[rows] = source[offsets[rows, None] + self._window]
+        return rows_source, window
 
     def rewind_to(self, batch_index: int) -> None:
         """Reads again from `batch_index`, an index already read: a step that runs again sees the same data."""
