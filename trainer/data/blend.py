@@ -131,8 +131,8 @@ def _check_one_tokenizer(names: tuple[str, ...], sources: tuple[TokenSource, ...
     for name, source in zip(names, sources):
         if source.vocab_size > first.vocab_size:
             raise ConfigError(
-                f"data.sources: {name}: {source.vocab_origin} need a vocabulary of {source.vocab_size:,}, more than the "
-                f"{first.vocab_size:,} of {first_name} ({_tokenizer_text(first_name, first)}); blend sources made with one tokenizer"
+                f"data.sources: {name}: {source.vocab_origin} need a vocabulary of {source.vocab_size:,}, but {first_name} was made with "
+                f"{_tokenizer_text(first_name, first)}; blend sources made with one tokenizer"
             )
 
 
@@ -148,5 +148,5 @@ def _tokenizer_of(name: str, source: TokenSource) -> tuple | None:
 def _tokenizer_text(name: str, source: TokenSource) -> str:
     kind, sha256, vocab_size = _tokenizer_of(name, source)
     if kind == "bytes":
-        return f"bytes (vocabulary {vocab_size})"
+        return f"byte tokens (vocabulary {vocab_size})"
     return f"the tokenizer {source.tokenizer.get('file', kind)} (sha256 {(sha256 or 'none')[:16]}, vocabulary {vocab_size:,})"
