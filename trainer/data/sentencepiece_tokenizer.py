@@ -8,8 +8,10 @@ text: SentencePiece never encodes text as a control symbol, so "</s>" in a docum
 A model that adds a dummy prefix (a "▁" before every text, which decoding strips once: Llama 2's, T5's and
 most others) would put a space at every chunk boundary; a document's later chunks are therefore encoded by a
 copy of the model without it (its normalizer spec's add_dummy_prefix off, as transformers' non-legacy Llama
-tokenizer does). Models whose normalizer changes a text at its ends (remove_extra_whitespaces, nmt_nfkc's
-default) still fail text_tokenizers' probe, and their documents are encoded whole.
+tokenizer does). A model that also trims and collapses whitespace (remove_extra_whitespaces, SentencePiece's
+default) turns the line end at a cut into one space, which is the dummy prefix of the next chunk: for it,
+every chunk keeps the prefix. text_tokenizers' probe decides between the two; a model that passes neither
+(one that trims without a dummy prefix) has its documents encoded whole.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from keel.trainer.data.text_inputs import Chunk, optional_import
-from keel.trainer.data.text_tokenizers import TokenizerError, encode_by_start, file_identity, first_line
+from keel.trainer.data.text_tokenizers import TokenizerError, chunks_decode_as_whole, encode_by_start, file_identity, first_line
 
 
 class SentencePieceTokenizer:
@@ -33,6 +35,8 @@ class SentencePieceTokenizer:
                 f"--tokenizer {path}: sentencepiece cannot load it ({first_line(e)}); pass a SentencePiece .model (a tiktoken BPE file is named .tiktoken)"
             ) from None
         self.rest = _without_dummy_prefix(spm, self.first)
+        if self.rest is not None and not chunks_decode_as_whole(self):
+            self.rest = None  # a model that trims: every chunk keeps its dummy prefix (see above)
         self.identity = file_identity("sentencepiece", path)
         self.vocab_size = self.first.get_piece_size()
         self.eod_id = self._eod_id(path, eod_token)
