@@ -11,6 +11,7 @@ import torch
 from conftest import keel, train
 
 from keel.trainer.config import ConfigError, load_config
+from keel.trainer.data.blend import open_job_data
 from keel.trainer.data.documents import IGNORE_INDEX, eod_to_mask, mask_after_eod
 from keel.trainer.data.loader import open_tokens
 from keel.trainer.parallel.parallelize import loss_fn
@@ -34,7 +35,7 @@ def test_the_target_after_an_end_of_document_id_is_left_out_of_the_loss():
 def test_mask_eod_without_an_end_of_document_id_is_refused_in_one_line():
     cfg = load_config("tiny", ["data.mask_eod=true"])
     with pytest.raises(ConfigError, match="data.mask_eod=true: data.source=builtin records no end-of-document id"):
-        eod_to_mask(cfg, open_tokens("builtin", 32, 256))
+        eod_to_mask(cfg, open_job_data(cfg))
     proc = keel("train", "--config", "tiny", "--data.mask_eod=true")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 

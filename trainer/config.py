@@ -84,6 +84,10 @@ class DataConfig:
     # The fraction of the source's tokens, at its end, held out for validation (eval.every): training never
     # reads them. 0: none held out. It changes the training data: keep it when a run is resumed.
     val_fraction: float = 0.0
+    # Leave out of the loss the token after each end-of-document id (Megatron-LM's --eod-mask-loss): the
+    # first token of an unrelated document is not predictable from the one before. Needs a source that
+    # records its end-of-document id (keel.trainer.data.documents).
+    mask_eod: bool = False
 
     def validate(self) -> None:
         from keel.trainer.data.loader import parse_skip_ranges  # here, not at the top: keel.trainer.data.loader imports this module

@@ -21,8 +21,9 @@ from keel.trainer import exposed_comm, flops, oom
 from keel.trainer.checkpoint.checkpointer import WholeModel, manifest_info
 from keel.trainer.config import ConfigError, JobConfig
 from keel.trainer.data.blend import open_job_data
-from keel.trainer.data.loader import BatchSampler, open_tokens, parse_skip_ranges
-from keel.trainer.data.validation import ValidationBatches, held_out
+from keel.trainer.data.documents import eod_to_mask, mask_after_eod
+from keel.trainer.data.loader import BatchSampler, parse_skip_ranges
+from keel.trainer.data.validation import split_for_validation
 from keel.trainer.evaluate import validation_loss
 from keel.trainer.launch.launcher import parse_train_args, resolve_run_dir
 from keel.trainer.launch.lifetime import end_with_parent
@@ -58,7 +59,6 @@ class Trainer:
         oom_note = self.microbatch_state.note()
         self._build_model()
         self._build_data()
-        self._build_validation()
         peak_total, mfu_basis = self._peak_flops_total()
         stage_size = world // self.layout.pp  # mesh order (pp, dp, tp): each pipeline stage is a block of ranks
         stages = [range(k * stage_size, (k + 1) * stage_size) for k in range(self.layout.pp)]
@@ -112,18 +112,19 @@ class Trainer:
         return loss if self.evaluating else self.run.faults.corrupt_loss(loss)  # the chaos hook point on the training loss
 
     def _build_data(self) -> None:
-        """The job's data (data.source, or a blend of sources: keel.trainer.data.blend) and the sampler. Rank 0
-        records a blend's sources and the tokens each step reads from each of them."""
+        """The job's data (data.source, or a blend of sources: keel.trainer.data.blend), its validation batches
+        and the sampler. Rank 0 records a blend's sources and the tokens each step reads from each of them."""
         cfg, run = self.cfg, self.run
         self.source = open_job_data(cfg)
-        # data.val_fraction holds out the end of data.source; a blend holds nothing out (DataConfig refuses it).
-        first, *others = self.source.sources
-        training_tokens, self.held_out_tokens = held_out(first.tokens, cfg.data.val_fraction)
-        store = run.recorder.store if run.recorder is not None and others else None
+        self.masked_eod = eod_to_mask(cfg, self.source)
+        training_tokens, self.validation = split_for_validation(
+            cfg, self.source, self.model_args.vocab_size, self.layout.dp_rank, self.layout.dp
+        )
+        store = run.recorder.store if run.recorder is not None and len(training_tokens) > 1 else None
         if store is not None:
             store.set_meta(DATA_SOURCES_META, self.source.record())
         self.sampler = BatchSampler(
-            [training_tokens, *(source.tokens for source in others)],
+            training_tokens,
             cfg.data.seq_len,
             cfg.training.global_batch_size,
             self.layout.dp_rank,
@@ -135,21 +136,6 @@ class Trainer:
             weights=self.source.weights,
             on_batch=None if store is None else (lambda tokens: store.write_data_tokens(run.step, run.attempt, tokens)),
         )
-
-    def _build_validation(self) -> None:
-        """The validation batches (eval.every > 0): the held-out end of the training source, or eval.source."""
-        cfg = self.cfg
-        self.validation = None
-        if not cfg.eval.every:
-            return
-        if cfg.eval.source:
-            tokens, name = open_tokens(cfg.eval.source, cfg.data.seq_len, self.model_args.vocab_size).tokens, f"eval.source={cfg.eval.source}"
-        else:
-            tokens, name = self.held_out_tokens, f"the held-out data.val_fraction={cfg.data.val_fraction} of data.source"
-        self.validation = ValidationBatches(
-            tokens, cfg.data.seq_len, cfg.training.global_batch_size, self.layout.dp_rank, self.layout.dp, cfg.eval.batches,
-            self.model_args.vocab_size, name,
-        )  # fmt: skip
 
     def _peak_flops_total(self) -> tuple[float, str]:
         """MFU's denominator: (the peak FLOPS of all devices together, how this device's peak was found).
@@ -238,6 +224,7 @@ class Trainer:
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's inputs and targets, on the device; rank 0 records the batches the sampler passed over."""
         inputs, targets = self.sampler.next_batch()
+        targets = mask_after_eod(inputs, targets, self.masked_eod)
         rejected = self.sampler.take_rejected()
         if rejected:  # ids at or past the real vocabulary: a padded row of the embedding is no token either
             self.run.incidents.bad_batches(self.run.step, self.run.attempt, rejected, self.model_args.vocab_size)

@@ -16,22 +16,23 @@ from __future__ import annotations
 import numpy as np
 
 from keel.trainer.config import ConfigError, JobConfig
-from keel.trainer.data.loader import TokenSource
+from keel.trainer.data.blend import DataBlend
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 
 
-def eod_to_mask(cfg: JobConfig, source: TokenSource) -> int | None:
+def eod_to_mask(cfg: JobConfig, data: DataBlend) -> int | None:
     """The end-of-document id whose next token is left out of the loss, or None when data.mask_eod is off.
-    Refuses data.mask_eod on a source that records no end-of-document id."""
+    Refuses data.mask_eod on data that records no end-of-document id (or, a blend, no one id for all sources)."""
     if not cfg.data.mask_eod:
         return None
-    if source.eod_id is None:
+    if data.eod_id is None:
+        named = f"data.sources={cfg.data.sources}" if cfg.data.sources else f"data.source={cfg.data.source}"
         raise ConfigError(
-            f"data.mask_eod=true: data.source={cfg.data.source} records no end-of-document id (only token files of "
-            f"`keel prepare-data --tokenizer ...` do); make the data with a tokenizer, or set --data.mask_eod=false"
+            f"data.mask_eod=true: {named} records no end-of-document id common to its data (only token files of "
+            f"`keel prepare-data --tokenizer ...` record one); make the data with a tokenizer, or set --data.mask_eod=false"
         )
-    return source.eod_id
+    return data.eod_id
 
 
 def mask_after_eod(inputs: np.ndarray, targets: np.ndarray, eod_id: int | None) -> np.ndarray:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from keel.trainer.config import ConfigError, JobConfig
+from keel.trainer.data.blend import DataBlend
 from keel.trainer.data.documents import eod_to_mask, mask_after_eod
-from keel.trainer.data.loader import TokenSource, open_tokens
+from keel.trainer.data.loader import open_tokens
 
 
 def held_out(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -26,20 +27,23 @@ def held_out(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarra
 
 
 def split_for_validation(
-    cfg: JobConfig, source: TokenSource, vocab_size: int, dp_rank: int = 0, dp_size: int = 1
-) -> tuple[np.ndarray, ValidationBatches | None]:
-    """(the tokens training reads, the validation batches or None when eval.every is 0). The launcher calls it
-    once before any worker starts, so that validation data that cannot serve is refused there, in one line."""
-    training, held = held_out(source.tokens, cfg.data.val_fraction)
+    cfg: JobConfig, data: DataBlend, vocab_size: int, dp_rank: int = 0, dp_size: int = 1
+) -> tuple[list[np.ndarray], ValidationBatches | None]:
+    """(each source's tokens training reads, the validation batches or None when eval.every is 0). The launcher
+    calls it once before any worker starts, so that validation data that cannot serve is refused there."""
+    # data.val_fraction holds out the end of data.source; a blend has no one end (DataConfig refuses the two together).
+    first, *others = data.tokens
+    training, held = held_out(first, cfg.data.val_fraction)
     if not cfg.eval.every:
-        return training, None
+        return [training, *others], None
     if cfg.eval.source:
         tokens, name = open_tokens(cfg.eval.source, cfg.data.seq_len, vocab_size).tokens, f"eval.source={cfg.eval.source}"
     else:
         tokens, name = held, f"the held-out data.val_fraction={cfg.data.val_fraction} of data.source"
     rows = (cfg.training.global_batch_size, dp_rank, dp_size)
     # The validation loss leaves out what the training loss does (data.mask_eod).
-    return training, ValidationBatches(tokens, cfg.data.seq_len, *rows, cfg.eval.batches, vocab_size, name, eod_to_mask(cfg, source))
+    batches = ValidationBatches(tokens, cfg.data.seq_len, *rows, cfg.eval.batches, vocab_size, name, eod_to_mask(cfg, data))
+    return [training, *others], batches
 
 
 class ValidationBatches:

@@ -32,6 +32,8 @@ from keel.monitor.store import last_event
 from keel.trainer.checkpoint.manifest import config_record, newest_manifest, vet_resume
 from keel.trainer.config import ConfigError, JobConfig, check_run_dir, load_config, validate
 from keel.trainer.data.blend import open_job_data
+from keel.trainer.data.documents import eod_to_mask
+from keel.trainer.data.validation import split_for_validation
 from keel.trainer.launch.lifetime import end_with_parent
 from keel.trainer.launch.restarts import RUN_DIR_ENV, Failure, RestartBudget, last_failure
 from keel.trainer.model_args import allocated_params, model_args
@@ -245,6 +247,8 @@ def main(argv: list[str]) -> int:
         check_free(cfg.run.run_dir)  # a trainer still on this run (a resume beside it) is refused here
         # A missing, empty or too-wide data file fails here, once, not in every worker.
         data = open_job_data(cfg)
+        split_for_validation(cfg, data, model_args(cfg).vocab_size)  # validation data that cannot serve fails here too
+        eod_to_mask(cfg, data)
         check_model_fits(cfg, opts.nnodes)
         layout_change = check_resume(cfg, data.version) if cfg.run.resume else None
         worker_argv = _strip_torchrun_values(argv) + [f"--run.run_id={cfg.run.run_id}", f"--run.run_dir={cfg.run.run_dir}"]
