@@ -55,6 +55,8 @@ def full_step(step: int, attempt: int = 0, **values) -> dict:
         "data_time_s": 0.01,
         "mem_peak_bytes": 3 * 2**30,
         "skipped": 0,
+        "validation_loss": 2.25,
+        "validation_perplexity": 9.487735836358526,  # exp(2.25)
     }
     return row | values
 
@@ -286,11 +288,30 @@ def rolled_back_run(tmp_path) -> Path:
 def test_metrics_prints_the_effective_table(rolled_back_run, capsys):
     assert metrics_cli.main([str(rolled_back_run)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["step", "attempt", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "comm_share", "step_time_s"]
-    assert [line.split() for line in lines[1:]] == [
-        ["1", "0", "4", "1.5", "0.0003", "12346", "0.41", "0.125", "0.25"],
-        ["2", "1", "1.875", "1.5", "0.0003", "12346", "0.41", "-", "0.25"],
+    assert lines[0].split() == [
+        "step",
+        "attempt",
+        "loss",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+        "mfu",
+        "comm_share",
+        "step_time_s",
+        "validation_loss",
     ]
+    assert [line.split() for line in lines[1:]] == [
+        ["1", "0", "4", "1.5", "0.0003", "12346", "0.41", "0.125", "0.25", "2.25"],
+        ["2", "1", "1.875", "1.5", "0.0003", "12346", "0.41", "-", "0.25", "2.25"],
+    ]
+
+
+def test_metrics_leaves_out_a_column_the_run_never_recorded(tmp_path, capsys):
+    with RunStore(tmp_path) as store:  # a run without evaluation (eval.every=0)
+        store.write_step(full_step(1, validation_loss=None, validation_perplexity=None))
+    assert metrics_cli.main([str(tmp_path)]) == 0
+    header = capsys.readouterr().out.splitlines()[0].split()
+    assert "validation_loss" not in header and header[-1] == "step_time_s"
 
 
 def test_metrics_csv_has_every_column_and_all_attempts(rolled_back_run, capsys):
