@@ -416,15 +416,18 @@ def _peak_bytes(out: Path, source: Path) -> int:
         tracemalloc.stop()
 
 
-def test_a_large_gzip_json_lines_input_is_streamed_in_flat_memory(tmp_path: Path):
+@pytest.mark.parametrize(
+    "suffix, compress", [("gz", lambda data: gzip.compress(data, compresslevel=1)), ("zst", zstandard.compress)], ids=["gzip", "zstd"]
+)
+def test_a_large_compressed_json_lines_input_is_streamed_in_flat_memory(tmp_path: Path, suffix, compress):
     """The same records, 2 MB and 16 MB of them: the peak must not grow with the input (a file, a whole
-    decompressed stream or the ids held at once would add megabytes), and stays far below the input."""
-    record = {"text": (CORPUS_FILES[1].read_text()[:3000])}
-    line = (json.dumps(record) + "\n").encode()
+    decompressed stream or the ids held at once would add megabytes), and stays far below the input. The
+    records repeat, so 16 KiB of zstd stand for megabytes of text: what one decompress call returns at once."""
+    line = (json.dumps({"text": CORPUS_FILES[1].read_text()[:3000]}) + "\n").encode()
     peaks = {}
     for megabytes in (2, 16):
-        source = tmp_path / f"{megabytes}.jsonl.gz"
-        source.write_bytes(gzip.compress(line * (megabytes * 10**6 // len(line)), compresslevel=1))
+        source = tmp_path / f"{megabytes}.jsonl.{suffix}"
+        source.write_bytes(compress(line * (megabytes * 10**6 // len(line))))
         peaks[megabytes] = _peak_bytes(tmp_path / f"{megabytes}.bin", source)
     assert peaks[16] < peaks[2] + 2 * 2**20, peaks
     assert peaks[16] < 16 * 10**6 / 4, peaks
