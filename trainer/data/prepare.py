@@ -180,7 +180,7 @@ def _tokenizer(opts: argparse.Namespace, inputs: list[TextInput]):
         return tt.load_text_tokenizer(opts.tokenizer, opts.eod, opts.tiktoken_pattern)
     if opts.tiktoken_pattern is not None:
         raise UsageError(
-            f"--tiktoken-pattern {opts.tiktoken_pattern}: applies to a tiktoken BPE file (--tokenizer NAME.tiktoken) only; leave it out"
+            f"--tiktoken-pattern {opts.tiktoken_pattern}: is the split pattern of a tiktoken BPE file; name the file with --tokenizer NAME.tiktoken, or leave it out"
         )
     if opts.train_tokenizer is None:
         if opts.eod is not None:

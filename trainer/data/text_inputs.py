@@ -119,7 +119,12 @@ def _below(folder: Path, excluded: Callable[[Path], bool]) -> list[Path]:
 def _dataset_input(folder: Path, split: str | None) -> TextInput:
     if not (folder / "dataset_dict.json").is_file():
         return TextInput(folder, "dataset", None, _size(folder))
-    splits = json.loads((folder / "dataset_dict.json").read_text())["splits"]
+    try:
+        splits = json.loads((folder / "dataset_dict.json").read_text())["splits"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise PrepareError(
+            f"{folder}: its dataset_dict.json names no splits ({e!r}); save the DatasetDict again with save_to_disk"
+        ) from None
     note = ""
     if split is None:
         if "train" not in splits:
