@@ -62,14 +62,17 @@ MEASURED = {
 
 # The levers a large run pulls, on top of each layout. Compiled, the blocks run inductor's fused kernels,
 # which sum in their own order; activation checkpointing alone changes no number
-# (tests/test_activation_checkpoint.py). Every layout runs compiled with `full` checkpointing, the two
-# levers at once, but two: 8-process combinations of a schedule and a dp mode that run compiled on their
-# own and in 3D here (a minute each; by hand on 2026-12-02 they followed the single-process run to
-# 1.14e-7/1.01e-7 and 1.07e-7/3.41e-7). Compiled alone and `selective` under compile (a different graph:
-# the checkpoint policy inside it) run at one layout each. The single-process run they follow is eager.
+# (tests/test_activation_checkpoint.py). Compiled with `full` checkpointing, the two levers at once, run
+# the layouts that between them put a compiled block under every parallelism and schedule: tensor, pipeline
+# (1F1B) and FSDP2's zero3 together (pp2-dp2-tp2), zero2, replicate, GPipe and the interleaved schedule.
+# A layout whose parts all run compiled here is not run again on its own: on 2026-12-02 every one of them
+# followed the single-process run as closely as its 3D superset (dp2 1.07e-7/6.35e-7, tp2 9.94e-8/4.15e-7,
+# pp2-1F1B 9.94e-8/2.84e-7, pp3-uneven 1.29e-7/7.19e-7, ...), at 30-60 s each. Compiled alone and
+# `selective` under compile (a different graph: the checkpoint policy inside it) run at one layout each,
+# the latter with sequence and loss parallelism. The single-process run they follow is eager.
 COMPILED = ("--training.compile=true", "--training.activation_checkpointing=full")
-EAGER_ONLY = ("pp2-dp2-tp2-interleaved-v2", "pp2-dp2-tp2-zero2")
-LEVER_CASES = {f"{name}-compiled-full": [*args, *COMPILED] for name, args in LAYOUTS.items() if name not in EAGER_ONLY} | {
+COMPILED_LAYOUTS = ("pp2-dp2-tp2", "dp2-zero2", "dp2-tp2-replicate", "pp2-gpipe", "pp2-interleaved-v2")
+LEVER_CASES = {f"{name}-compiled-full": [*LAYOUTS[name], *COMPILED] for name in COMPILED_LAYOUTS} | {
     "tp2-compiled": ["--tp", "2", "--training.compile=true"],
     "pp2-dp2-tp2-sequence-loss-parallel-compiled-selective": [
         *LAYOUTS["pp2-dp2-tp2"],
@@ -81,11 +84,8 @@ LEVER_CASES = {f"{name}-compiled-full": [*args, *COMPILED] for name, args in LAY
 }
 # As MEASURED, on 2026-12-02.
 MEASURED_LEVERS = {
-    "dp2-compiled-full": (1.07e-07, 6.35e-07), "tp2-compiled-full": (9.94e-08, 4.15e-07), "pp2-1F1B-compiled-full": (9.94e-08, 2.84e-07),
     "pp2-interleaved-v2-compiled-full": (1.29e-07, 7.19e-07), "pp2-gpipe-compiled-full": (9.94e-08, 2.84e-07), "dp2-zero2-compiled-full": (1.07e-07, 6.35e-07),
-    "dp2-tp2-replicate-compiled-full": (1.07e-07, 3.41e-07), "tp2-sequence-loss-parallel-compiled-full": (1.29e-07, 7.85e-07), "pp2-dp2-tp2-compiled-full": (1.07e-07, 3.41e-07),
-    "pp2-dp2-replicate-compiled-full": (1.07e-07, 6.35e-07),
-    "pp2-dp2-gpipe-compiled-full": (1.07e-07, 6.35e-07), "pp3-uneven-compiled-full": (1.29e-07, 7.19e-07), "tp2-compiled": (9.94e-08, 4.15e-07),
+    "dp2-tp2-replicate-compiled-full": (1.07e-07, 3.41e-07), "pp2-dp2-tp2-compiled-full": (1.07e-07, 3.41e-07), "tp2-compiled": (9.94e-08, 4.15e-07),
     "pp2-dp2-tp2-sequence-loss-parallel-compiled-selective": (9.94e-08, 4.2e-07),
 }  # fmt: skip
 
