@@ -19,7 +19,7 @@ commands:
   simulate       what one rank of a large layout holds, built on meta with a fake process group (keel simulate --help)
   estimate       GPU-hours, days and cost of a job from its parameters and tokens (keel estimate --help)
   plan           which pp x dp x tp layout: memory, bubble, communication and speed of each (keel plan --help)
-  prepare-data   make a token file from text files, as bytes or with a tokenizer (keel prepare-data --help)
+  prepare-data   make a token file from text, JSONL, Parquet or a dataset, as bytes or tokens (keel prepare-data --help)
   verify-data    read token files whole and check them against their sidecar or kept scan (keel verify-data --help)
 """
 

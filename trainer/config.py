@@ -74,8 +74,9 @@ class DataConfig:
     # ["0.7", "web.bin", "0.3", "code.bin"] ('0.7;web.bin;0.3;code.bin' on the command line). Each batch row
     # draws its source by weight (normalized to sum to 1). []: data.source alone. docs/data.md#blends.
     sources: list[str] = field(default_factory=list)
-    # The tokenizer.json the job's model expects ("": not checked): a token file whose sidecar names
-    # another tokenizer (by sha256) is refused before any worker starts.
+    # The tokenizer file the job's model expects ("": not checked): a tokenizer.json, a SentencePiece .model or
+    # a tiktoken file. A token file whose sidecar names another tokenizer (by sha256) is refused before any
+    # worker starts.
     tokenizer: str = ""
     seq_len: int = 64  # tokens per sequence: the context the model is trained on
     # Batch index ranges never read, e.g. ["80:107"] (end excluded): a run that skips what another
