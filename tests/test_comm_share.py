@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -75,3 +77,32 @@ def test_a_profiled_steps_memory_peak_is_what_it_started_with_plus_the_most_it_h
     with sampled_step(True, cuda=False) as unmeasured:
         torch.empty(mib)
     assert unmeasured.memory_peak_bytes() is None
+
+
+def test_sampled_steps_do_not_keep_their_profiles():
+    """A profile's results sit in a reference cycle that only the cycle collector frees, and its full
+    collections come ever more seldom as a process grows: every rank's memory grew by the results of every
+    sampled step (0.45 to 1 GiB over the main job's 300 steps). 300 profiled blocks of 50 matmuls, in a fresh
+    process: kept, they grew its peak resident memory by 54 MiB (measured); released, by about 2."""
+    script = (
+        "import resource, torch\n"
+        "from keel.trainer.exposed_comm import sampled_step, warm_up_profiler\n"
+        "x = torch.randn(256, 256)\n"
+        "warm_up_profiler(cuda=False)\n"
+        "def blocks(n):\n"
+        "    for _ in range(n):\n"
+        "        with sampled_step(True, cuda=False) as step:\n"
+        "            for _ in range(50):\n"
+        "                x @ x\n"
+        "        step.comm_seconds()\n"
+        "blocks(20)\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "blocks(300)\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    grown_mib = float(proc.stdout.strip().splitlines()[-1])
+    assert grown_mib < 20, f"peak resident memory grew {grown_mib:.0f} MiB over 300 profiled blocks"
