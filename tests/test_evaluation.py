@@ -74,8 +74,12 @@ def test_evaluation_without_validation_data_is_refused_before_any_worker_starts(
         validate(load_config("tiny", ["eval.every=5"]))
     with pytest.raises(ConfigError, match=r"data.val_fraction=0.9: must be in \[0, 0.5\]"):
         validate(load_config("tiny", ["data.val_fraction=0.9"]))
-    proc = keel("train", "--config", "tiny", "--eval.every=-1")
-    assert proc.returncode == 2 and "eval.every=-1" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    for flags, field in (
+        (["--eval.every=-1"], "eval.every=-1"),
+        (["--eval.every=2", "--eval.source=missing.bin"], "eval.source=missing.bin: file not found"),
+    ):
+        proc = keel("train", "--config", "tiny", *flags)
+        assert proc.returncode == 2 and f"error: {field}" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 # --- real runs: slow -----------------------------------------------------------------------------------

@@ -37,13 +37,21 @@ def split_for_validation(
     if not cfg.eval.every:
         return [training, *others], None
     if cfg.eval.source:
-        tokens, name = open_tokens(cfg.eval.source, cfg.data.seq_len, vocab_size).tokens, f"eval.source={cfg.eval.source}"
+        tokens, name = _open_eval_source(cfg, vocab_size), f"eval.source={cfg.eval.source}"
     else:
         tokens, name = held, f"the held-out data.val_fraction={cfg.data.val_fraction} of data.source"
     rows = (cfg.training.global_batch_size, dp_rank, dp_size)
     # The validation loss leaves out what the training loss does (data.mask_eod).
     batches = ValidationBatches(tokens, cfg.data.seq_len, *rows, cfg.eval.batches, vocab_size, name, eod_to_mask(cfg, data))
     return [training, *others], batches
+
+
+def _open_eval_source(cfg: JobConfig, vocab_size: int) -> np.ndarray:
+    named = f"data.source={cfg.eval.source}"
+    try:
+        return open_tokens(cfg.eval.source, cfg.data.seq_len, vocab_size).tokens
+    except ConfigError as e:  # open_tokens names the field it is usually given as; here it is eval.source
+        raise ConfigError(str(e).replace(named, f"eval.source={cfg.eval.source}", 1)) from None
 
 
 class ValidationBatches:
