@@ -26,6 +26,7 @@ from test_dashboard import _charts, _run_page
 from keel.monitor.store import read_steps
 from keel.trainer.config import ConfigError, load_config, validate
 from keel.trainer.data.validation import ValidationBatches, held_out
+from keel.trainer.step_metrics import perplexity
 
 SPLIT = ("--config", "tiny", "--training.steps=8", "--data.val_fraction=0.05")
 EVAL = ("--eval.every=3", "--eval.batches=2")  # evaluated at steps 3, 6 and 8 (the last)
@@ -67,6 +68,11 @@ def test_validation_batches_are_consecutive_windows_the_same_every_time_split_ov
 def test_validation_data_too_short_or_outside_the_vocabulary_is_refused_naming_the_fix(tokens, vocab, message):
     with pytest.raises(ConfigError, match=message):
         ValidationBatches(tokens, 16, 8, 0, 1, 3, vocab, "v")
+
+
+def test_perplexity_is_exp_of_the_loss_inf_past_float_range_and_nan_for_nan():
+    assert perplexity(2.0) == math.exp(2.0) and perplexity(1000.0) == math.inf
+    assert math.isnan(perplexity(math.nan))  # a NaN validation loss (a poisoned model) is no perplexity at all
 
 
 def test_evaluation_without_validation_data_is_refused_before_any_worker_starts():

@@ -28,7 +28,7 @@ from keel.trainer.planning.run_plan import check
 pytestmark = pytest.mark.slow
 
 MODEL = ("--config=small", "--data.seq_len=256", "--training.global_batch_size=8", "--steps=6", "--metrics.comm_sample_every=2",
-         "--checkpoint.interval_steps=1000", "--plan")  # fmt: skip
+         "--checkpoint.interval_steps=1000", "--eval.every=0", "--plan")  # fmt: skip
 LAYOUTS = {
     "dp2 zero3 m4": ("--pp=1", "--dp=2", "--tp=1", "--training.microbatches=4"),
     "dp2 zero2 m4": ("--pp=1", "--dp=2", "--tp=1", "--training.microbatches=4", "--parallel.dp_mode=zero2"),

@@ -59,8 +59,8 @@ def gather_rows(row: list[float], device: torch.device, world: int) -> torch.Ten
 
 
 def perplexity(loss: float) -> float:
-    """exp(loss): the number of equally likely tokens the model hesitates between; inf past float range."""
-    return math.exp(loss) if loss < MAX_EXP_ARG else math.inf
+    """exp(loss): the number of equally likely tokens the model hesitates between; inf past float range, NaN for NaN."""
+    return math.inf if loss > MAX_EXP_ARG else math.exp(loss)
 
 
 def slowest_ranks(busy_s: torch.Tensor, k: int = SLOWEST_RANKS) -> str:
