@@ -111,7 +111,9 @@ def _check_tokenizer(source: str, ts: TokenSource, tokenizer: str) -> None:
             f"make the data with `keel prepare-data OUT.bin FILES... --tokenizer {tokenizer}` or unset data.tokenizer"
         )
     if not Path(tokenizer).is_file():
-        raise ConfigError(f"data.tokenizer={tokenizer}: file not found; name the tokenizer file the job expects (tokenizer.json, a SentencePiece .model or a tiktoken file)")
+        raise ConfigError(
+            f"data.tokenizer={tokenizer}: file not found; name the tokenizer file the job expects (tokenizer.json, a SentencePiece .model or a tiktoken file)"
+        )
     digest = sha256_file(Path(tokenizer))
     recorded = ts.tokenizer.get("sha256", "")
     if digest != recorded:
