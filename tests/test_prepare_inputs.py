@@ -33,6 +33,7 @@ from tokenizers import Tokenizer
 
 from keel.cli import main as keel_main
 from keel.monitor.exits import EXIT_CONFIG
+from keel.monitor.store import read_data_sources
 from keel.trainer.config import ConfigError
 from keel.trainer.data import tiktoken_tokenizer
 from keel.trainer.data.loader import open_tokens
@@ -447,3 +448,27 @@ def test_a_parquet_corpus_encoded_by_sentencepiece_trains(tmp_path: Path, spm_mo
         tmp_path / "run", *args, f"--model.vocab_size={SPM_VOCAB}", "--checkpoint.interval_steps=0", "--checkpoint.interval_minutes=0"
     )
     assert list(run.step) == [1, 2, 3] and abs(run.loss.iloc[0] - np.log(SPM_VOCAB)) < 1
+
+
+@pytest.mark.slow
+def test_every_format_trains_in_one_blend_and_tiktoken_ids_train(tmp_path: Path, tiktoken_file: Path):
+    """Keel trains on what every format gives: one run on a blend of each format's token file (bytes), every
+    source read (its tokens in the store); and one on ids of a tiktoken rank file, named as the job's tokenizer."""
+    weights_and_sources = []
+    for fmt, write in FORMATS.items():
+        out = tmp_path / f"{fmt}.bin"
+        folder = tmp_path / fmt
+        folder.mkdir()
+        assert prepare(out, write(folder, DOCUMENTS)) == 0
+        weights_and_sources += ["1", str(out)]
+    quiet = ["--config=tiny", "--pp=1", "--dp=1", "--tp=1", "--steps=6", "--checkpoint.interval_steps=0", "--checkpoint.interval_minutes=0"]
+    run = train(tmp_path / "blend", *quiet, f"--data.sources={';'.join(weights_and_sources)}")
+    assert list(run.step) == list(range(1, 7)) and run.loss.iloc[-1] < run.loss.iloc[0]
+    read = read_data_sources(tmp_path / "blend")
+    assert len(read) == len(FORMATS) and (read.tokens > 0).all(), read
+
+    out = tmp_path / "tiktoken.bin"
+    assert prepare(out, write_jsonl_gz(tmp_path, DOCUMENTS), "--tokenizer", tiktoken_file) == 0
+    vocab = json.loads(sidecar_path(out).read_text())["vocab_size"]
+    run = train(tmp_path / "tiktoken", *quiet, f"--data.source={out}", f"--data.tokenizer={tiktoken_file}", f"--model.vocab_size={vocab}")
+    assert list(run.step) == list(range(1, 7)) and abs(run.loss.iloc[0] - np.log(vocab)) < 1
