@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import pandas as pd
 
 from keel.dashboard.series import segments
-from keel.monitor.goodput import Goodput, compute_goodput
-from keel.monitor.store import StoreMark, abandoned_mask, read_appended, read_rank_bins
+from keel.monitor.goodput import Goodput, run_goodput
+from keel.monitor.store import StoreMark, abandoned_mask, read_appended, read_meta, read_rank_bins
 
 _STEP_KEY = ["step", "attempt"]
 _GRIDS_KEPT = 8  # heatmap grids kept per run: the step ranges several people watching it chose
@@ -77,7 +77,8 @@ class RunReader:
             rows = _with_segments(every, steps, starts)
             custom = _with_segments(self._custom, steps, starts)
             names = tuple(sorted(self._custom.name.unique())) if len(self._custom) else ()
-            return RunData(rows, self._events, self._rank_bins(steps), compute_goodput(every, self._events), custom, names)
+            goodput = run_goodput(read_meta(self.run_dir), every, self._events)  # the Runs page's figure too
+            return RunData(rows, self._events, self._rank_bins(steps), goodput, custom, names)
 
     def _catch_up(self) -> None:
         new = read_appended(self.run_dir, self._mark)

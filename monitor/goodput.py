@@ -182,6 +182,32 @@ def _wall_bounded(steps: pd.DataFrame, step_time: pd.Series) -> pd.Series:
     return bounded.reindex(step_time.index)
 
 
+def run_goodput(meta: dict, steps: pd.DataFrame, events: pd.DataFrame) -> Goodput:
+    """The run's goodput as every view shows it. Once the run ended: the figure it recorded then (meta
+    `goodput`, what its last console line printed); computing it again would move it, since the records
+    written after it (the goodput event, the sinks closing) lengthen the wall time. Before that, or once a
+    resume started the run again, computed from `steps` (every attempt's, as read_steps(run_dir)) and
+    `events` so far."""
+    recorded = _recorded(meta.get("goodput"))
+    return recorded if recorded is not None and _ended(events) else compute_goodput(steps, events)
+
+
+def _recorded(value: Any) -> Goodput | None:
+    """The Goodput a run's meta recorded (Goodput.to_dict()), or None when it holds none it can be rebuilt from.
+    A cause an older record lacks lost nothing."""
+    try:
+        lost = {cause: float(value["lost_s"].get(cause, 0.0)) for cause in CAUSES}
+        return Goodput(wall_s=float(value["wall_s"]), productive_s=float(value["productive_s"]), lost_s=lost)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def _ended(events: pd.DataFrame) -> bool:
+    """Whether the run's goodput event is newer than its last start: a run that ended and was not resumed."""
+    marks = [kind for kind in events["kind"] if kind in (EventKind.RUN_STARTED, EventKind.GOODPUT)] if "kind" in events else []
+    return bool(marks) and marks[-1] == EventKind.GOODPUT
+
+
 def goodput_of_run(run_dir: str | Path) -> Goodput:
     """Goodput of the run in `run_dir`, from its store; also while the trainer is still writing."""
     return compute_goodput(read_steps(run_dir), read_events(run_dir))

@@ -1,17 +1,27 @@
 """The runs under some folders, each summed up in one row: what a person scanning many runs wants first
 (the dashboard's Runs page). Reads run stores only, so it works on runs still being written.
 
-A run's status comes from its own record:
+A run's status comes from its own record and from its trainer's run lock (rank 0 holds it for as long as
+it trains; keel.monitor.run_lock.lock_held, which cannot tell for a run written before the lock existed or
+by a trainer on another host):
 - finished / stopped: its last ending event is `run_finished` / `run_stopped` (the rollback cap);
-- hung: the watchdog's `hang` event is its last word and nothing ran after it;
-- running: it wrote a step or an event within `stale_after_s` (ten of its median step times, at least
-  two minutes: a checkpoint or a restart is a long silence, not a death);
-- failed: silent for longer than that, with no ending event;
+- running: its trainer holds the lock and wrote a step or an event within `stuck_after_s`; or nothing holds
+  the lock but it wrote within KILLED_AFTER_S (torchrun's restart of a worker group leaves the lock free
+  for a few seconds); or the lock cannot be checked and it wrote within `stale_after_s` (ten of its median
+  step times, at least two minutes: a checkpoint or a restart is a long silence, not a death);
+- killed: nothing holds the lock, it has been silent for KILLED_AFTER_S and has no ending event: its
+  trainer ended without a word (kill -9, the OOM killer, a lost node, a crash torchrun gave up on);
+- hung: the watchdog's `hang` event is its last word, nothing ran after it, and it is as silent as a
+  killed (or, lock unknown, a failed) run: nothing restarted it; or its trainer holds the lock but has been
+  silent beyond `stuck_after_s`, longer than its watchdog allows any phase, so the watchdog could not
+  end it (a process stuck in the kernel, or the watchdog off);
+- failed: the lock cannot be checked, and it has been silent beyond `stale_after_s` with no ending event;
 - unreadable: the run store cannot be read (the message says why); the other runs are unaffected.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sqlite3
 import time
@@ -22,15 +32,23 @@ from typing import Any
 import pandas as pd
 
 from keel.monitor.event_kinds import EventKind
-from keel.monitor.goodput import compute_goodput
+from keel.monitor.goodput import run_goodput
 from keel.monitor.run_dir import CHECKPOINT_DIR, DRILL_DIR, STORE_FILE
+from keel.monitor.run_lock import lock_held
 from keel.monitor.store import read_events, read_meta, read_steps
 
 MIN_STALE_S = 120.0
+# How long a run whose lock nothing holds may be silent before it counts as killed. The lock is free between
+# the death of a worker group's rank 0 and its successor taking it: 0.7-4 s in the restarts measured in
+# docs/stability.md (its recovery table's restart column). 30 s is several times that, yet a quarter of the
+# two minutes a dead run showed as running before; a restart slower still (a large job's slow rendezvous)
+# shows as killed for a moment, until its new rank 0 takes the lock.
+KILLED_AFTER_S = 30.0
+ETA_WINDOW = 50  # the last effective steps whose median step time sets the ETA
 _ENDINGS = (EventKind.RUN_STARTED, EventKind.RUN_FINISHED, EventKind.RUN_STOPPED, EventKind.HANG)
 SUMMARY_COLUMNS = (
     "run_id", "run_dir", "status", "problem", "layout", "step", "total_steps", "loss", "tokens_per_s", "mfu",
-    "comm_share", "goodput", "rollbacks", "restarts", "alerts", "last_seen",
+    "comm_share", "goodput", "rollbacks", "restarts", "alerts", "last_alert", "last_alert_time", "started", "last_seen", "eta_s",
 )  # fmt: skip
 
 
@@ -75,23 +93,28 @@ def summarize_run(run_dir: str | Path, now: float | None = None) -> dict[str, An
         return row | {"status": "unreadable", "problem": f"{type(e).__name__}: {e}"}
     config = meta.get("config", {})
     parallel = config.get("parallel", {})
+    alerts = events[events.kind == EventKind.ALERT]
     row |= {
         "run_id": meta.get("run_id", run_dir.name),
         "layout": f"pp{parallel['pp']} dp{parallel['dp']} tp{parallel['tp']}" if parallel else None,
         "total_steps": config.get("training", {}).get("steps"),
-        # The run's own figure once it ended; until then the same computation on what it wrote so far.
-        "goodput": (meta.get("goodput") or {}).get("goodput") or compute_goodput(read_steps(run_dir), events).goodput,
+        "goodput": float(run_goodput(meta, read_steps(run_dir), events).goodput),  # as the Run page shows it
         "rollbacks": int((events.kind == EventKind.ROLLBACK).sum()),
         "restarts": int((events.kind == EventKind.RESTART).sum()),
-        "alerts": int((events.kind == EventKind.ALERT).sum()),
+        "alerts": len(alerts),
+        "last_alert": alerts.message.iloc[-1] if len(alerts) else None,
+        "last_alert_time": float(alerts.time.iloc[-1]) if len(alerts) else None,
     }
     if len(steps):
         last = steps.iloc[-1]
         row |= {"step": int(last.step), "loss": float(last.loss), "tokens_per_s": float(last.tokens_per_s), "mfu": float(last.mfu)}
         row["comm_share"] = _last_value(steps.comm_share)
     times = pd.concat([steps.time, events.time]).dropna()
-    row["last_seen"] = float(times.max()) if len(times) else None
-    row["status"] = _status(steps, events, row["last_seen"], time.time() if now is None else now)
+    if len(times):
+        row |= {"started": float(times.min()), "last_seen": float(times.max())}
+    silent = math.inf if row["last_seen"] is None else (time.time() if now is None else now) - row["last_seen"]
+    row["status"] = _status(steps, events, silent, lock_held(run_dir), config)
+    row["eta_s"] = _eta_s(steps, row["total_steps"]) if row["status"] == "running" else None
     return row
 
 
@@ -108,17 +131,37 @@ def stale_after_s(steps: pd.DataFrame) -> float:
     return max(MIN_STALE_S, 10 * median) if median == median else MIN_STALE_S
 
 
-def _status(steps: pd.DataFrame, events: pd.DataFrame, last_seen: float | None, now: float) -> str:
+def stuck_after_s(steps: pd.DataFrame, config: dict) -> float:
+    """How long a live trainer (one holding the run lock) may be silent and still count as running: the
+    longest its watchdog allows a start-up or a checkpoint (watchdog.startup_s, checkpoint_s in the run's
+    config), or stale_after_s if longer. Beyond that the watchdog, which ends a stalled process, could not."""
+    watchdog = config.get("watchdog", {})
+    return max([stale_after_s(steps)] + [float(watchdog.get(phase, 0.0)) for phase in ("startup_s", "checkpoint_s")])
+
+
+def _status(steps: pd.DataFrame, events: pd.DataFrame, silent_s: float, held: bool | None, config: dict) -> str:
+    """The run's status by the rules in the module's docstring; `held` is lock_held's answer."""
     endings = events[events.kind.isin(_ENDINGS)]
     last = endings.kind.iloc[-1] if len(endings) else None
     if last == EventKind.RUN_FINISHED:
         return "finished"
     if last == EventKind.RUN_STOPPED:
         return "stopped"
-    quiet = last_seen is None or now - last_seen > stale_after_s(steps)
-    if last == EventKind.HANG and (not len(steps) or steps.time.max() <= endings.time.iloc[-1]):
-        return "hung" if quiet else "running"  # a hang is followed by torchrun's restart, unless it gave up
-    return "failed" if quiet else "running"
+    # A hang is followed by torchrun's restart, unless it gave up.
+    hang = last == EventKind.HANG and (not len(steps) or steps.time.max() <= endings.time.iloc[-1])
+    if held is False:
+        return "running" if silent_s < KILLED_AFTER_S else "hung" if hang else "killed"
+    if silent_s <= (stuck_after_s(steps, config) if held else stale_after_s(steps)):
+        return "running"
+    return "hung" if hang or held else "failed"
+
+
+def _eta_s(steps: pd.DataFrame, total_steps: int | None) -> float | None:
+    """Seconds left: the steps to go times the median time of the last ETA_WINDOW steps."""
+    if not total_steps or not len(steps):
+        return None
+    median = steps.step_time_s.tail(ETA_WINDOW).median()
+    return max(total_steps - int(steps.step.iloc[-1]), 0) * float(median) if median == median else None
 
 
 def _last_value(series: pd.Series) -> float | None:

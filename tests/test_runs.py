@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from keel.monitor.goodput import CAUSES, Goodput
 from keel.monitor.runs import MIN_STALE_S, find_runs, summarize_run, summarize_runs
 from keel.monitor.store import RunStore
 
@@ -50,7 +51,9 @@ def test_summary_row_holds_the_run(tmp_path):
     with RunStore(tmp_path / "r") as store:
         for kind in ("rollback", "alert", "alert", "restart"):
             store.write_event(kind, kind, step=20, attempt=1, rank=0)
-        store.set_meta("goodput", {"goodput": 0.93})
+        recorded = Goodput(wall_s=100.0, productive_s=93.0, lost_s=dict.fromkeys(CAUSES, 0.0) | {"other": 7.0}).to_dict()
+        store.set_meta("goodput", recorded)  # as the trainer records it at the end: the meta key and the event
+        store.write_event("goodput", "goodput 93.0%", step=40, attempt=1, rank=0, data=recorded)
     row = summarize_run(tmp_path / "r")
     assert row["layout"] == "pp2 dp2 tp2" and row["step"] == 40 and row["total_steps"] == 300
     assert row["loss"] == 5.0 - 40 / 100 and row["comm_share"] == 0.3 and row["goodput"] == 0.93
