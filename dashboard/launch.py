@@ -1,4 +1,5 @@
-"""`keel dashboard [RUNS_DIR ...]`: checks its arguments, prints the URL, and becomes the Streamlit server.
+"""`keel dashboard [RUNS_DIR ...]`: checks its arguments and that it can listen on --host:--port, prints the
+URL, and becomes the Streamlit server.
 
 The dashboard's only writes are its actions (start a drill, inject a fault). They are on when it is bound
 to loopback, and off with --read-only, or when it is bound to another address unless --allow-actions
@@ -8,8 +9,10 @@ is given: anyone who can reach the page could otherwise start processes on this 
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -48,6 +51,26 @@ def actions_state(host: str, read_only: bool, allow_actions: bool) -> tuple[bool
     return True, "actions on: the Drills page can start drills and inject faults"
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port (one line naming the option to change), or None.
+    Binds as Streamlit's server will (one socket on host, SO_REUSEADDR, IPv6 dual-stack) and lets go at
+    once: a busy port is reported before the URL is printed, not by Streamlit after it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            probe.bind((host, port))
+    except socket.gaierror as e:
+        return f"--host={host}: {e.strerror}; pass an address or a name of this machine"
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            return f"--port={port}: {host}:{port} is in use; choose another port with --port"
+        return f"--host={host} --port={port}: cannot listen there ({e.strerror}); choose another --host or --port"
+    return None
+
+
 def server_command(host: str, port: int) -> list[str]:
     return [sys.executable, "-m", "streamlit", "run", str(APP), f"--server.address={host}", f"--server.port={port}",
             "--server.headless=true", "--browser.gatherUsageStats=false", "--client.toolbarMode=minimal"]  # fmt: skip
@@ -61,6 +84,10 @@ def main(argv: list[str]) -> int:
         return EXIT_CONFIG
     if not 0 < opts.port < 65536:
         print(f"keel dashboard: error: --port={opts.port}: choose a port in 1-65535", file=sys.stderr)
+        return EXIT_CONFIG
+    problem = port_problem(opts.host, opts.port)
+    if problem:
+        print(f"keel dashboard: error: {problem}", file=sys.stderr)
         return EXIT_CONFIG
     actions, why = actions_state(opts.host, opts.read_only, opts.allow_actions)
     env = {**os.environ, RUNS_ENV: os.pathsep.join(str(Path(f).resolve()) for f in opts.runs), ACTIONS_ENV: "1" if actions else "0"}
