@@ -23,4 +23,4 @@ pages = [
     st.Page(render_drills, title="Drills", url_path="drills"),
     st.Page(render_compare, title="Compare", url_path="compare"),
 ]
-st.navigation(pages).run()
+st.navigation(pages, position="top").run()  # no sidebar: a narrow window keeps its width for the charts

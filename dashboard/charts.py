@@ -10,10 +10,14 @@ which is also what the tests read back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 import streamlit as st
+
+from keel.dashboard.series import AXES, MARKER_COLOURS
 
 EFFECTIVE_COLOUR = "#1f77b4"
 ABANDONED_COLOURS = ["#d62728", "#ff7f0e", "#8c564b", "#e377c2"]  # one per abandoned attempt, cycled
@@ -22,9 +26,23 @@ CATEGORY10 = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", 
 _CHART = st.components.v2.component("keel_chart", js=(Path(__file__).parent / "chart.js").read_text(), isolate_styles=False)
 
 
-def draw(panels: list[dict], key: str, columns: int = 1) -> None:
-    """Draw `panels` (from the functions below) `columns` to a row, filling the container's width."""
-    _CHART(data={"columns": columns, "panels": panels}, key=key)
+@dataclass(frozen=True)
+class View:
+    """How the line charts are drawn, as the page's controls set it: the x axis (series.AXES), the
+    smoothing weight (0: none), a log-scale y, and whether a drag on a chart asks for its step range."""
+
+    axis: str = "step"
+    smoothing: float = 0.0
+    log_y: bool = False
+    zoom: bool = False
+
+
+def draw(panels: list[dict], key: str, columns: int = 1, on_zoom: Callable[[], None] | None = None) -> None:
+    """Draw `panels` (from the functions below) up to `columns` to a row (fewer in a narrow window),
+    filling the container's width. With `on_zoom`, a drag across a chart or a double-click on it calls
+    it, st.session_state[key]["zoom"] holding the steps chosen ([first, last], or None: all of them)."""
+    callbacks = {} if on_zoom is None else {"on_zoom_change": on_zoom}
+    _CHART(data={"columns": columns, "panels": panels}, key=key, **callbacks)
 
 
 def _columns(frame: pd.DataFrame) -> dict[str, list]:
@@ -32,32 +50,32 @@ def _columns(frame: pd.DataFrame) -> dict[str, list]:
     return {name: frame[name].to_numpy(dtype=object, na_value=None).tolist() for name in frame.columns}
 
 
-def line_chart(series: pd.DataFrame, x: str, by: str, styles: dict[str, dict], title: str, height: int, *, x_title: str = "step",
-               domain: tuple[float, float] | None = None, markers: pd.DataFrame | None = None, colours: dict[str, str] | None = None,
-               legend: bool = False) -> dict:  # fmt: skip
-    """One line per value of `by` (columns `x`, value, `by`), never joined to another, styled by
-    `styles` ({"colour", "dash"} per line), under a vertical rule per row of `markers` (columns step,
-    kind, attempt, rank, severity, message) coloured by kind from `colours`, the event on hover."""
-    markers = pd.DataFrame(columns=["step", "kind"]) if markers is None else markers
-    lo, hi = domain or ((series[x].min(), series[x].max()) if len(series) else (0, 1))
-    panel = {"kind": "lines", "title": title, "height": height, "x": x, "by": by, "x_title": x_title, "steps": [float(lo), float(hi)],
-             "segments": styles, "kinds": colours or {}, "frames": {"lines": _columns(series[[x, "value", by]]), "events": _columns(markers)}}  # fmt: skip
-    if legend:  # the lines drawn, then the kinds of event present
-        panel["legend"] = [
-            {"label": n, "colour": s["colour"], "dashed": bool(s["dash"])} for n, s in styles.items() if n in set(series[by])
-        ]
-        panel["legend"] += [{"label": k, "colour": c, "dashed": False} for k, c in (colours or {}).items() if k in set(markers.kind)]
+def line_chart(series: pd.DataFrame, by: str, styles: dict[str, dict], title: str, height: int, view: View,
+               domain: tuple[float, float], layers: tuple[pd.DataFrame, pd.DataFrame] | None = None, legend: bool = False) -> dict:  # fmt: skip
+    """One line per value of `by` (columns x, step, value, `by`, and smooth when smoothed), never joined
+    to another, styled by `styles` ({"colour", "dash"} per line), over the x extent `domain`, under the
+    events (series.marker_layers: a rule per group of events listing them on hover, a band per lasting fault)."""
+    rules, bands = layers if layers is not None else (pd.DataFrame(columns=["x"]), pd.DataFrame(columns=["x0"]))
+    panel = {"kind": "lines", "title": title, "height": height, "by": by, "x_title": AXES[view.axis],
+             "x_format": "duration" if view.axis == "time" else "number", "domain": [float(domain[0]), float(domain[1])],
+             "smoothed": "smooth" in series, "log_y": view.log_y, "zoom": view.zoom, "segments": styles,
+             "frames": {"lines": _columns(series), "rules": _columns(rules), "bands": _columns(bands)}}  # fmt: skip
+    if legend:  # the lines drawn, then the kinds of event present; a click on one hides or shows it
+        drawn = set(series[by])
+        panel["legend"] = [{"label": n, "colour": s["colour"], "dashed": bool(s["dash"])} for n, s in styles.items() if n in drawn]
+        kinds = dict.fromkeys([k for ks in rules.get("kinds", []) for k in ks] + list(bands.get("kind", [])))
+        panel["legend"] += [{"label": k, "colour": MARKER_COLOURS[k], "dashed": False, "event": True} for k in kinds]
     return panel
 
 
-def metric_chart(series: pd.DataFrame, markers: pd.DataFrame, title: str, steps: tuple[int, int], colours: dict[str, str],
-                 height: int, legend: bool) -> dict:  # fmt: skip
-    """A metric against step (series.metric_series): the effective trajectory solid blue, each abandoned
-    attempt dashed in a warm colour, under the events (series.event_markers) coloured by kind."""
+def metric_chart(series: pd.DataFrame, title: str, height: int, view: View, domain: tuple[float, float],
+                 layers: tuple[pd.DataFrame, pd.DataFrame] | None, legend: bool) -> dict:  # fmt: skip
+    """A metric of one run (series.metric_series): the effective trajectory solid blue, each abandoned
+    attempt dashed in a warm colour, under the run's events."""
     names = ["effective", *sorted(set(series.segment) - {"effective"})]
     styles = {names[0]: {"colour": EFFECTIVE_COLOUR, "dash": SOLID}}
     styles |= {name: {"colour": ABANDONED_COLOURS[i % len(ABANDONED_COLOURS)], "dash": DASHED} for i, name in enumerate(names[1:])}
-    return line_chart(series, "step", "segment", styles, title, height, domain=steps, markers=markers, colours=colours, legend=legend)
+    return line_chart(series, "segment", styles, title, height, view, domain, layers, legend)
 
 
 def rank_heatmap(ranks: pd.DataFrame, stragglers: pd.DataFrame, metric: str, title: str, steps: tuple[int, int], row_px: int) -> dict:

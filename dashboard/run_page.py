@@ -12,28 +12,33 @@ The charts show the step range of the slider above them, every step of it when i
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 
 import pandas as pd
 import streamlit as st
 
-from keel.dashboard.charts import bar_chart, draw, metric_chart, rank_heatmap
+from keel.dashboard.charts import View, bar_chart, draw, metric_chart, rank_heatmap
+from keel.dashboard.controls import choose_view
 from keel.dashboard.run_data import RunData, RunReader
-from keel.dashboard.runs_page import REFRESH_S, run_folders
+from keel.dashboard.runs_page import MISSING, REFRESH_S, run_folders, run_names
 from keel.dashboard.series import (
-    MARKER_COLOURS,
     ROUTINE_MARKERS,
     chart_titles,
     custom_series,
     event_markers,
+    marker_layers,
+    marker_x,
     metric_series,
+    run_origin,
     slowest_rank_counts,
     straggler_marks,
+    with_x,
 )
 from keel.monitor.checkpoints import checkpoint_table, verify
 from keel.monitor.goodput import Goodput
 from keel.monitor.run_dir import CONFIG_FILE, MANIFEST
-from keel.monitor.runs import find_runs
+from keel.monitor.runs import summarize_run
 from keel.monitor.store import SLOWEST_RANKS, read_meta, step_bounds, store_version
 
 # The small charts, three to a row, are about 480 px wide on a wide page: M4 on 480 columns keeps every pixel
@@ -57,7 +62,7 @@ def choose_run() -> Path | None:
     """The run the page shows: `?run=<name>` if that names a run found, else the one this session showed
     last, else the first; the choice is written back to the URL. None (with a message) when there is
     no run."""
-    runs = {p.name: p for p in find_runs(run_folders())}
+    runs = run_names(run_folders())
     if not runs:
         st.info("No runs found yet.")
         return None
@@ -114,6 +119,51 @@ def run_reader(run_dir: str) -> RunReader:
     return RunReader(run_dir, HEATMAP_BINS)
 
 
+_BADGES = {"running": "blue", "finished": "green", "stopped": "orange", "failed": "red", "killed": "red", "hung": "violet"}
+
+
+# Read again at most every refresh while the store changes: what the header shows of a quiet run (killed
+# after KILLED_AFTER_S of silence) changes with the clock, not with the store.
+@st.cache_data(ttl=REFRESH_S, max_entries=16, show_spinner=False)
+def _summary(run_dir: str, version: tuple[int, ...]) -> dict:
+    return summarize_run(run_dir)
+
+
+def _header(run_dir: Path, version: tuple[int, ...]) -> None:
+    """The run at a glance: its status (keel.monitor.runs), id, folder, layout, start, last update, time
+    left and last alert."""
+    row = _summary(str(run_dir), version)
+    now = time.time()
+    parts = [f":{_BADGES.get(row['status'], 'gray')}-badge[{row['status']}]", f"**{row['run_id']}**", f"`{run_dir}`"]
+    parts += [row["layout"]] if row["layout"] else []
+    if row["started"] is not None:
+        parts += [f"started {_clock(row['started'])}", f"last update {_ago(now - row['last_seen'])} ago"]
+    if row["eta_s"] is not None:
+        parts.append(f"ETA {_ago(row['eta_s'])}")
+    st.markdown(" · ".join(parts))
+    if row["last_alert"]:
+        st.caption(f"Last alert ({_clock(row['last_alert_time'])}, {_ago(now - row['last_alert_time'])} ago): {row['last_alert']}")
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _ago(seconds: float) -> str:
+    """A duration in its largest units: 40 s, 12 min, 3 h 20 min, 2 d 4 h."""
+    s = max(0, round(seconds))
+    for unit, size, smaller, small_size in (("d", 86400, "h", 3600), ("h", 3600, "min", 60)):
+        if s >= size:
+            return f"{s // size} {unit} {s % size // small_size} {smaller}"
+    return f"{s // 60} min" if s >= 60 else f"{s} s"
+
+
+def _zoom_to(chart_key: str) -> None:
+    """A drag across a chart (or a double-click: every step) sets the step range, before the rerun draws it."""
+    chosen = st.session_state[chart_key]["zoom"]
+    st.session_state[RANGE_KEY] = (0, 2**62) if chosen == "all" else (int(chosen[0]), int(chosen[1]))  # clamped to the run's steps
+
+
 @st.fragment(run_every=REFRESH_S)
 def _live_run(run_dir: Path) -> None:
     try:
@@ -121,16 +171,24 @@ def _live_run(run_dir: Path) -> None:
         if bounds is None:
             st.info("No step recorded yet.")
             return
+        _header(run_dir, version)
+        view = choose_view("run", zoom=True)
         steps = choose_step_range(*bounds)
         data = read_run(str(run_dir), steps, version)
     except (sqlite3.Error, FileNotFoundError) as e:
         st.warning(f"{run_dir}: cannot read its run store ({type(e).__name__}: {e}).")
         return
+    origin = run_origin(data.rows, data.events)
+    rows = with_x(data.rows, view.axis, origin)
     markers = event_markers(data.events)
-    _metric_charts(data.rows, markers, steps)
-    _custom_charts(data.custom, data.custom_names, markers, steps)
+    markers = markers[markers.step.between(*steps)]
+    markers = markers.assign(x=marker_x(markers, rows, view.axis, origin))
+    domain = _domain(rows, markers, steps, view)
+    ranks = data.ranks["rank"].nunique() if len(data.ranks) else 0
+    _metric_charts(rows, markers, steps, view, domain, communicates=ranks > 1)
+    _custom_charts(data.custom, data.custom_names, rows, markers, view, domain)
     _rank_charts(data.ranks, straggler_marks(data.events, steps), steps)
-    _slowest_ranks(data.rows)
+    _slowest_ranks(data.rows, ranks)
     left, right = st.columns([2, 3])
     with left:
         _goodput_chart(data.goodput)
@@ -138,37 +196,50 @@ def _live_run(run_dir: Path) -> None:
         _checkpoints(run_dir, data.events)
 
 
-def _metric_charts(rows: pd.DataFrame, markers: pd.DataFrame, steps: tuple[int, int]) -> None:
-    shown = markers[markers.step.between(*steps)]
+def _domain(rows: pd.DataFrame, markers: pd.DataFrame, steps: tuple[int, int], view: View) -> tuple[float, float]:
+    """The charts' x extent: the step range, or on the tokens and time axes what its rows and events span."""
+    if view.axis == "step" or rows.x.isna().all():
+        return float(steps[0]), float(steps[1])
+    xs = pd.concat([rows.x, markers.x]).dropna()
+    return float(xs.min()), float(xs.max())
+
+
+def _metric_charts(rows: pd.DataFrame, markers: pd.DataFrame, steps: tuple[int, int], view: View, domain: tuple[float, float],
+                   communicates: bool) -> None:  # fmt: skip
     effective = int((rows.segment == "effective").sum())
     st.caption(f"Steps {steps[0]:,} to {steps[1]:,}: {effective:,} in effect, {len(rows) - effective:,} abandoned by rollbacks "
-               f"or restarts, {len(shown)} events marked; refreshed every {REFRESH_S:g} s.")  # fmt: skip
+               f"or restarts, {len(markers)} events marked; drag across a chart to zoom, double-click for every step; "
+               f"refreshed every {REFRESH_S:g} s.")  # fmt: skip
     # The loss at full width with the legends and every event; the other metrics below, small, sharing its
-    # colours, with every event but the routine ones.
+    # colours, with every event but the routine ones. A metric the run never recorded in the range (a
+    # validation loss without evaluation) gets no empty chart, nor does one process's communication share
+    # (always 0: it does not communicate).
     titles = chart_titles()
-    loss = metric_series(rows, "loss", grid=steps)
-    draw([metric_chart(loss, shown, titles["loss"], steps, MARKER_COLOURS, 300, legend=True)], key="chart-loss")
-    unusual = shown[~shown.kind.isin(ROUTINE_MARKERS)]
+    loss = metric_series(rows, "loss", domain, smoothing=view.smoothing)
+    draw([metric_chart(loss, titles["loss"], 300, view, domain, marker_layers(markers, domain), legend=True)], key="chart-loss",
+         on_zoom=lambda: _zoom_to("chart-loss"))  # fmt: skip
+    unusual = marker_layers(markers[~markers.kind.isin(ROUTINE_MARKERS)], domain)
     small = [
         metric_chart(
-            metric_series(rows, metric, grid=steps, buckets=SMALL_CHART_BUCKETS), unusual, title, steps, MARKER_COLOURS, 150, legend=False
+            metric_series(rows, metric, domain, SMALL_CHART_BUCKETS, view.smoothing), title, 150, view, domain, unusual, legend=False
         )
         for metric, title in titles.items()
-        if metric != "loss"
+        if metric != "loss" and rows[metric].notna().any() and (communicates or metric != "comm_share")
     ]
-    draw(small, key="chart-grid", columns=3)
+    draw(small, key="chart-grid", columns=3, on_zoom=lambda: _zoom_to("chart-grid"))
 
 
-def _custom_charts(custom: pd.DataFrame, names: tuple[str, ...], markers: pd.DataFrame, steps: tuple[int, int]) -> None:
+def _custom_charts(custom: pd.DataFrame, names: tuple[str, ...], rows: pd.DataFrame, markers: pd.DataFrame, view: View,
+                   domain: tuple[float, float]) -> None:  # fmt: skip
     """The user's own metrics, as the small charts of Keel's: one per name the run reported, in or out
     of the range (a metric reported every thousand steps keeps its chart in a narrow range)."""
     if not names:
         return
     st.subheader("Your metrics")
-    unusual = markers[markers.step.between(*steps) & ~markers.kind.isin(ROUTINE_MARKERS)]
-    series = {name: custom_series(custom, name, grid=steps, buckets=SMALL_CHART_BUCKETS) for name in names}
-    charts = [metric_chart(drawn, unusual, name, steps, MARKER_COLOURS, 150, legend=False) for name, drawn in series.items()]
-    draw(charts, key="chart-custom", columns=3)
+    unusual = marker_layers(markers[~markers.kind.isin(ROUTINE_MARKERS)], domain)
+    series = {name: custom_series(custom, rows, name, domain, SMALL_CHART_BUCKETS, view.smoothing) for name in names}
+    charts = [metric_chart(drawn, name, 150, view, domain, unusual, legend=False) for name, drawn in series.items()]
+    draw(charts, key="chart-custom", columns=3, on_zoom=lambda: _zoom_to("chart-custom"))
 
 
 def _rank_charts(ranks: pd.DataFrame, stragglers: pd.DataFrame, steps: tuple[int, int]) -> None:
@@ -194,11 +265,12 @@ def _rank_charts(ranks: pd.DataFrame, stragglers: pd.DataFrame, steps: tuple[int
         draw([bar_chart(peak, "rank", "GiB", "peak GiB by rank", _rank_rows(ranks))], key="rank-memory")
 
 
-def _slowest_ranks(rows: pd.DataFrame) -> None:
+def _slowest_ranks(rows: pd.DataFrame, ranks: int) -> None:
     """The ranks most often among the slowest few of the measured steps in effect: read from the step rows,
-    it stays one small chart at any number of ranks, where the heatmaps above grow a row per rank."""
+    it stays one small chart at any number of ranks, where the heatmaps above grow a row per rank. Not
+    drawn with SLOWEST_RANKS ranks or fewer: every rank is then among the slowest at every step."""
     counts = slowest_rank_counts(rows[rows.segment == "effective"])
-    if counts.empty:
+    if counts.empty or ranks <= SLOWEST_RANKS:
         return
     st.caption(f"The ranks most often among the {SLOWEST_RANKS} slowest by busy time (step minus communication), over the "
                "measured steps in effect of this range.")  # fmt: skip
@@ -240,7 +312,8 @@ def _checkpoints(run_dir: Path, events: pd.DataFrame) -> None:
     shown = table[["step", "attempt", "folder", "MiB", "blocked_s", "write_s", "state"]]
     columns = {"MiB": st.column_config.NumberColumn(format="%.1f"), "blocked_s": st.column_config.NumberColumn("blocked (s)", format="%.3f"),
                "write_s": st.column_config.NumberColumn("written in (s)", format="%.2f")}  # fmt: skip
-    st.dataframe(shown, hide_index=True, column_config=columns, key="checkpoints")
+    # A removed checkpoint's size is not known: an empty cell (Streamlit's default is the text "None").
+    st.dataframe(shown, hide_index=True, column_config=columns, key="checkpoints", placeholder=MISSING)
 
 
 def _config(run_dir: Path) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Chart:
     """How the dashboard draws a metric against step: its chart's title, and the factor from the stored
-    base unit to the unit that title names (bytes drawn as GiB)."""
+    base unit to the unit that title names (bytes drawn as GiB, ratios as percent, as the Runs page shows them)."""
 
     title: str
     scale: float = 1.0
@@ -55,10 +55,10 @@ STEP_METRICS: tuple[StepMetric, ...] = (
     StepMetric("tokens_per_s", float, "tokens/s", "Global training throughput of the last step.", prometheus="keel_tokens_per_second",
                wandb=True, table="{:.0f}", chart=Chart("tokens/s")),
     StepMetric("mfu", float, "ratio", "Model FLOPs utilization of the last step (0..1).", prometheus="keel_mfu_ratio", wandb=True,
-               table="{:.3g}", chart=Chart("MFU")),
+               table="{:.3g}", chart=Chart("MFU (%)", scale=100.0)),
     # The communication shares are NULL on steps where communication was not measured, rather than a repeated value.
     StepMetric("comm_share", float, "ratio", "Exposed communication time / step time, the ranks' mean, last sampled step (0..1).",
-               prometheus="keel_comm_share_ratio", wandb=True, table="{:.3f}", chart=Chart("comm share")),
+               prometheus="keel_comm_share_ratio", wandb=True, table="{:.3f}", chart=Chart("comm share (%)", scale=100.0)),
     StepMetric("comm_share_max", float, "ratio",
                "Exposed communication time / step time of the rank that waited longest, last sampled step (0..1).",
                prometheus="keel_comm_share_max_ratio"),

@@ -103,3 +103,13 @@ def spike_run(tmp_path_factory) -> Path:
           "--spike.warmup_steps=12", "--spike.min_baseline=8", "--fault=spike@step=30,steps=3")  # fmt: skip
     assert (read_events(run_dir).kind == "rollback").sum() == 1
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def drill_runs(collective_drill, tmp_path_factory) -> Path:
+    """The runs of a pp2 dp2 tp2 drill (hang, crash, slow communication) in a folder, as a user who keeps
+    them would link them; the drill's report stays where the drill wrote it."""
+    folder = tmp_path_factory.mktemp("drill-runs")
+    for run in (collective_drill[2] / "runs").iterdir():
+        (folder / run.name).symlink_to(run, target_is_directory=True)
+    return folder

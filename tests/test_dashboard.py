@@ -68,35 +68,58 @@ def _run_page(run_folder: Path, run: str, monkeypatch) -> AppTest:
     return app.run()
 
 
-def _charts(app: AppTest) -> dict[str, list[pd.DataFrame]]:
-    """The page's charts by title (keel.dashboard.charts' panels), each as the data frames it draws."""
+def _charts(app: AppTest) -> dict[str, dict[str, pd.DataFrame]]:
+    """The page's charts by title (keel.dashboard.charts' panels), each as the data frames it draws, by name
+    (a line chart's "lines", "rules" and "bands")."""
     charts = {}
     for element in app.get("bidi_component"):
         assert element.proto.component_name == "keel_chart"
         for panel in json.loads(element.proto.json)["panels"]:
-            charts[panel["title"]] = [pd.DataFrame(columns) for columns in panel["frames"].values()]
+            charts[panel["title"]] = {name: pd.DataFrame(columns) for name, columns in panel["frames"].items()}
     return charts
+
+
+def _drawn_events(chart: dict[str, pd.DataFrame]) -> list[tuple[int, str]]:
+    """(step, kind) of every event a line chart marks: each kind listed on a rule at its step, and each
+    step a band spans for its kind (a band covers several events)."""
+    drawn = [(step, kind) for step, kinds in zip(chart["rules"].step, chart["rules"].kinds) for kind in kinds]
+    return drawn + [(step, band.kind) for band in chart["bands"].itertuples() for step in range(band.first, band.last + 1)]
+
+
+def _assert_marks(chart: dict[str, pd.DataFrame], events: pd.DataFrame) -> None:
+    """Every event is on the chart: on the rule at its step, or within a band of its kind; each step has
+    one rule at most."""
+    drawn = set(_drawn_events(chart))
+    for event in events.itertuples():
+        assert (event.step, MARKER_KINDS[event.kind]) in drawn, event
+    assert chart["rules"].step.is_unique
 
 
 def test_run_page_marks_every_event_and_draws_the_rolled_back_steps_apart(spike_run, monkeypatch):
     app = _run_page(spike_run.parent, "spike", monkeypatch)
     assert not app.exception and not app.error, (app.exception, app.error)
     charts = _charts(app)
-    assert set(chart_titles().values()) <= set(charts)
-    markers, lines = sorted(charts["loss"], key=lambda f: "segment" in f.columns)
+    kept = read_steps(spike_run, effective=True)
+    titles = chart_titles()
+    # A chart for every metric the run recorded, none for those it did not (no evaluation: no validation loss),
+    # nor for the communication share of one process (always 0).
+    assert {titles[m] for m in titles if kept[m].notna().any() and m != "comm_share"} == set(titles.values()) & set(charts)
+    assert "validation loss" not in charts and "comm share (%)" not in charts
     events = read_events(spike_run)
     marked = events[events.kind.isin(MARKER_KINDS)]
-    assert sorted(markers.step) == sorted(marked.step.astype(int))
-    assert {"confirmed spike", "rollback", "data skip", "checkpoint saved", "injected fault"} <= set(markers.kind)
+    _assert_marks(charts["loss"], marked)
+    assert {"confirmed spike", "rollback", "data skip", "checkpoint saved", "injected fault"} <= {
+        k for _, k in _drawn_events(charts["loss"])
+    }
     # The small charts mark the same events but the routine checkpoint saves.
-    grad_markers = next(f for f in charts["grad norm"] if "kind" in f.columns)
-    assert sorted(grad_markers.step) == sorted(markers.step[markers.kind != "checkpoint saved"])
+    _assert_marks(charts["grad norm"], marked[marked.kind != "checkpoint_saved"])
+    assert "checkpoint saved" not in {k for _, k in _drawn_events(charts["grad norm"])}
     # The abandoned segment is exactly what the rollback threw away: the steps after its checkpoint.
+    lines = charts["loss"]["lines"]
     rollback = events[events.kind == "rollback"].iloc[0].data
     abandoned = lines[lines.segment != "effective"]
     assert set(abandoned.segment) == {"attempt 0"}
     assert sorted(abandoned.step) == list(range(rollback["to_step"] + 1, rollback["from_step"] + 1))
-    kept = read_steps(spike_run, effective=True)
     effective = lines[lines.segment == "effective"].sort_values("step")
     assert effective.step.tolist() == kept.step.tolist() and effective.value.tolist() == kept.loss.tolist()
 
@@ -112,7 +135,7 @@ def test_run_page_lists_checkpoints_goodput_and_the_config(spike_run, monkeypatc
         assert row.blocked_s > 0 and row.write_s >= row.blocked_s
     assert (table.MiB[table.state == "verified"] > 0).all()
     goodput = read_events(spike_run).query("kind == 'goodput'").iloc[-1].data
-    [bars] = _charts(app)["where the time went (s)"]
+    bars = _charts(app)["where the time went (s)"]["bars"]
     assert dict(zip(bars["where"], bars.seconds))["recomputed"] == pytest.approx(goodput["lost_s"]["recomputed"], rel=1e-6)
     assert 'preset = "tiny"' in app.code[0].value and "interval_steps = 10" in app.code[0].value
     # One process measures no communication: said in words, not drawn as an empty heatmap.
@@ -125,12 +148,12 @@ def test_run_page_step_range_shows_every_step_of_it_and_stays_in_the_url(spike_r
     app = AppTest.from_string("from keel.dashboard.run_page import render_run\nrender_run()", default_timeout=60)
     app.query_params.update({"run": "spike", "steps": "25-35"})
     app.run()
-    assert app.slider[0].value == (25, 35)
-    markers, lines = sorted(_charts(app)["loss"], key=lambda f: "segment" in f.columns)
+    assert app.slider(key="steps").value == (25, 35)
+    loss = _charts(app)["loss"]
     kept = read_steps(spike_run, effective=True)
-    assert lines[lines.segment == "effective"].step.tolist() == kept.step[kept.step.between(25, 35)].tolist()
-    assert markers.step.between(25, 35).all()
-    app.slider[0].set_range(30, 60).run()  # the user widens it to the newest step
+    assert loss["lines"][loss["lines"].segment == "effective"].step.tolist() == kept.step[kept.step.between(25, 35)].tolist()
+    assert all(25 <= step <= 35 for step, _ in _drawn_events(loss))
+    app.slider(key="steps").set_range(30, 60).run()  # the user widens it to the newest step
     assert app.query_params["steps"] == "30-60"
 
 
@@ -192,38 +215,25 @@ def test_events_page_lists_every_event_and_filters_from_the_url(spike_run, monke
     assert critical.multiselect[1].value == ["critical"]  # the filter the URL asked for is the one shown
 
 
-@pytest.fixture(scope="session")
-def drill_runs(collective_drill, tmp_path_factory) -> Path:
-    """The runs of a pp2 dp2 tp2 drill (hang, crash, slow communication) in a folder, as a user who keeps
-    them would link them; the drill's report stays where the drill wrote it."""
-    folder = tmp_path_factory.mktemp("drill-runs")
-    for run in (collective_drill[2] / "runs").iterdir():
-        (folder / run.name).symlink_to(run, target_is_directory=True)
-    return folder
-
-
-def _layers(frames: list[pd.DataFrame], column: str) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """A two-layer chart's frames: the one with `column` first."""
-    with_column, other = sorted(frames, key=lambda f: column not in f.columns)
-    return with_column, other
-
-
 def test_run_page_of_a_hang_and_restart_marks_both_and_covers_every_rank(drill_runs, monkeypatch):
     app = _run_page(drill_runs, "hang", monkeypatch)
     assert not app.exception and not app.error, (app.exception, app.error)
     charts = _charts(app)
-    markers, _ = _layers(charts["loss"], "kind")
     events = read_events(drill_runs / "hang")
-    marked = events[events.kind.isin(MARKER_KINDS)]
-    assert sorted(markers.step) == sorted(marked.step.astype(int)) and {"hang", "restart"} <= set(markers.kind)
-    cells, _ = _layers(charts["step time (s)"], "first_step")
+    [hang] = events[events.kind == "hang"].step
+    # The restart is marked where the hang it recovered from happened, not where the run resumed (before it).
+    rule = charts["loss"]["rules"].set_index("step").loc[hang]
+    assert rule.kinds.index("hang") < rule.kinds.index("restart") and "resuming at step" in rule.text
+    marked = events[events.kind.isin(MARKER_KINDS) & (events.kind != "restart")]
+    _assert_marks(charts["loss"], marked)
+    cells = charts["step time (s)"]["cells"]
     assert sorted(set(cells["rank"])) == list(range(8))
     # Every rank, on every step whose per-rank rows were kept (the sampled ones, every attempt's).
     sampled = read_steps(drill_runs / "hang").comm_share_max.notna().sum()
     assert sampled >= 2
     for _, rows in cells.groupby("rank"):
         assert rows.rows.sum() == sampled
-    [memory] = charts["peak GiB by rank"]
+    memory = charts["peak GiB by rank"]["bars"]
     assert sorted(memory["rank"]) == list(range(8)) and (memory.GiB > 0).all()
 
 
@@ -232,11 +242,11 @@ def test_run_page_rings_the_straggler_the_detector_named(drill_runs, monkeypatch
     named = read_events(drill_runs / "late_collective").query("kind == 'straggler'")
     assert 7 in set(named["rank"])  # the slow rank; a busy machine can get others named too
     charts = _charts(app)
-    _, rings = _layers(charts["communication time (s)"], "first_step")
+    rings = charts["communication time (s)"]["rings"]
     assert sorted(zip(rings.step, rings["rank"])) == sorted(zip(named.step.astype(int), named["rank"].astype(int)))
     # From the step rows alone: how often each rank was among a measured step's slowest, the late rank
     # on every measured step once it was late (it waits before each of its collectives: its own time).
-    [slowest] = charts["steps among the slowest"]
+    slowest = charts["steps among the slowest"]["bars"]
     steps = read_steps(drill_runs / "late_collective", effective=True)
     named_first = steps.slowest_ranks.dropna().str.split(",").explode().value_counts()
     assert dict(zip(slowest["rank"], slowest.steps)) == {r: n for r, n in named_first.items() if r in set(slowest["rank"])}
@@ -322,10 +332,10 @@ def test_drill_form_starts_keel_drill_and_shows_its_output(tmp_path, monkeypatch
 def test_compare_page_overlays_runs_by_tokens(spike_run, reference_dir, tmp_path, monkeypatch):
     (tmp_path / "spike").symlink_to(spike_run, target_is_directory=True)
     (tmp_path / "tiny").symlink_to(reference_dir, target_is_directory=True)
-    params = {"run": ["spike", "tiny", "../../etc"], "by": ["tokens_seen"], "metric": ["grad_norm"]}
+    params = {"run": ["spike", "tiny", "../../etc"], "x": ["tokens"], "metric": ["grad_norm"]}
     app = _page("render_compare", tmp_path, monkeypatch, params)
     assert not app.exception and "No run named '../../etc'" in app.error[0].value
-    series, _no_events = _charts(app)["grad norm by tokens trained on"]
+    series = _charts(app)["grad norm by tokens trained on"]["lines"]
     assert set(series.run) == {"spike", "tiny"}
     for name, run_dir in (("spike", spike_run), ("tiny", reference_dir)):
         kept = read_steps(run_dir, effective=True)

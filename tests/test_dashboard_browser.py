@@ -8,6 +8,8 @@ to look at.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import shutil
@@ -18,6 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from playwright.sync_api import sync_playwright
 from servers import free_port
@@ -27,6 +30,9 @@ from keel.dashboard.actions import ACTIONS_ENV
 from keel.dashboard.charts import ABANDONED_COLOURS, EFFECTIVE_COLOUR
 from keel.dashboard.runs_page import RUNS_ENV
 from keel.dashboard.series import MARKER_KINDS
+from keel.monitor.run_dir import LOCK_FILE
+from keel.monitor.run_lock import lock_held
+from keel.monitor.runs import KILLED_AFTER_S, summarize_run
 from keel.monitor.store import read_events, step_bounds
 
 # Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
@@ -36,7 +42,8 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # Headless chromium as root in a container: no sandbox, no GPU, no /dev/shm, no calls home.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking", "--no-first-run"]
 LIVE_WITHIN_S = 10.0
-PAGES = {"runs": "/", "run": "/run?run=spike", "events": "/events?run=spike", "drills": "/drills", "compare": "/compare?run=spike&run=live"}
+PAGES = {"runs": "/", "run": "/run?run=spike", "events": "/events?run=hang", "drills": "/drills",
+         "compare": "/compare?run=spike&run=hang&metric=loss&metric=grad_norm"}  # fmt: skip
 # What shows that each page has drawn: its charts (keel.dashboard.charts marks each element drawn), its table, its last part.
 DRAWN = {
     "runs": "[data-testid='stDataFrame']", "run": ".keel-chart[data-drawn] >> nth=4", "events": "[data-testid='stDataFrame']",
@@ -45,11 +52,14 @@ DRAWN = {
 
 
 @pytest.fixture(scope="module")
-def runs_folder(spike_run, tmp_path_factory) -> Path:
-    """A finished run with a spike and a rollback, and three run directories a crash or a full disk
-    leaves: a store of garbage, an empty store, and a store cut off halfway."""
+def runs_folder(spike_run, drill_runs, tmp_path_factory) -> Path:
+    """A finished run with a spike and a rollback, a drill's runs with a hang and restart and with a rank
+    late for many steps, and three run directories a crash or a full disk leaves: a store of garbage, an
+    empty store, and a store cut off halfway."""
     folder = tmp_path_factory.mktemp("browser")
     (folder / "spike").symlink_to(spike_run, target_is_directory=True)
+    for name in ("hang", "late_collective"):
+        (folder / name).symlink_to(drill_runs / name, target_is_directory=True)
     for name in ("corrupt", "empty", "half"):
         (folder / name).mkdir()
     (folder / "corrupt" / "run.sqlite").write_bytes(b"\x00garbage" * 512)
@@ -60,27 +70,34 @@ def runs_folder(spike_run, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def live_run(runs_folder):
-    """A real `keel train` writing its store while the tests watch: a tiny model whose every step a
-    straggler fault stretches by 150 ms, so it is still running when the tests look."""
-    run_dir = runs_folder / "live"
-    cmd = [sys.executable, "-m", "keel.cli", "train", f"--run-dir={run_dir}", "--config=tiny", "--pp=1", "--dp=1", "--tp=1",
-           "--steps=1000", "--fault=straggler@step=1,steps=1000,ms=150", "--monitor.wandb=false"]  # fmt: skip
+def live_job(runs_folder):
+    """A real `keel train` writing its store while the tests watch, in a session of its own (keel, torchrun
+    and the worker): a tiny model whose every step a straggler fault stretches by 150 ms, so it is still
+    running when the tests look. The last test kills it with SIGKILL."""
+    cmd = [sys.executable, "-m", "keel.cli", "train", f"--run-dir={runs_folder / 'live'}", "--config=tiny", "--pp=1", "--dp=1",
+           "--tp=1", "--steps=100000", "--fault=straggler@step=1,steps=100000,ms=150", "--monitor.wandb=false"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     job = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.time() + 120
-        while not _newest_step(run_dir) and time.time() < deadline and job.poll() is None:
-            time.sleep(0.5)
-        assert _newest_step(run_dir), "the live run wrote no step within 120 s"
-        yield run_dir
+        yield job
     finally:
-        os.killpg(job.pid, signal.SIGTERM)  # its own session: keel, torchrun and the worker
+        with contextlib.suppress(ProcessLookupError):  # gone already if the test killed it
+            os.killpg(job.pid, signal.SIGTERM)
         try:
             job.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
+
+
+@pytest.fixture(scope="module")
+def live_run(runs_folder, live_job) -> Path:
+    run_dir = runs_folder / "live"
+    deadline = time.time() + 120
+    while not _newest_step(run_dir) and time.time() < deadline and live_job.poll() is None:
+        time.sleep(0.5)
+    assert _newest_step(run_dir), "the live run wrote no step within 120 s"
+    return run_dir
 
 
 def _newest_step(run_dir: Path) -> int:
@@ -141,6 +158,14 @@ def _caption_steps(page) -> int:
     return int(re.search(r"to ([\d,]+):", text).group(1).replace(",", ""))
 
 
+# How many of a canvas's pixels are a "#rrggbb" colour drawn faint (mostly transparent: a line under globalAlpha).
+_FAINT_PIXELS_OF = """(canvas, hex) => {
+    const want = [1, 3, 5].map(k => parseInt(hex.slice(k, k + 2), 16));
+    const px = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height).data;
+    let n = 0;
+    for (let i = 0; i < px.length; i += 4) if (want.every((v, k) => Math.abs(px[i + k] - v) < 24) && px[i + 3] > 20 && px[i + 3] < 120) n++;
+    return n;
+}"""
 # How many of a canvas's pixels are within a small distance of a "#rrggbb" colour.
 _PIXELS_OF = """(canvas, hex) => {
     const want = [1, 3, 5].map(k => parseInt(hex.slice(k, k + 2), 16));
@@ -226,14 +251,194 @@ def test_broken_run_directories_get_a_message_and_the_rest_works(browser, dashbo
     page.close()
 
 
-def test_every_page_renders_and_is_saved_as_a_screenshot(browser, dashboard, shots):
+LOSS = ".keel-panel[data-title='loss'] canvas[data-drawn]"
+TIP = ".keel-tip:visible"  # each chart element has its own; the one shown
+
+
+def _loss_chart(page, attribute: str = ""):
+    """The loss chart's canvas, once drawn (and, with `attribute`, once it carries that attribute)."""
+    chart = page.locator(LOSS + attribute)
+    chart.wait_for(timeout=30_000)
+    return chart
+
+
+def _hover_texts(page, chart, y_share: float = 0.5) -> list[str]:
+    """The hover text at every third pixel column along the chart, at `y_share` of its height."""
+    box, texts = chart.bounding_box(), []
+    for dx in range(0, int(box["width"]), 3):
+        page.mouse.move(box["x"] + dx, box["y"] + box["height"] * y_share)
+        texts.append(_tip_text(page))
+    return texts
+
+
+def _tip_text(page) -> str:
+    tips = page.locator(TIP)
+    return tips.first.inner_text() if tips.count() else ""
+
+
+def _plot_x(chart, step: float, first: int, last: int) -> float:
+    """The page x of `step` on a line chart over steps first..last (chart.js: 60 px left, 10 px right of the plot)."""
+    box = chart.bounding_box()
+    return box["x"] + 60 + (step - first) / (last - first) * (box["width"] - 70)
+
+
+def test_smoothing_draws_the_average_over_the_raw_line_it_keeps(browser, dashboard):
+    page = _open(browser, dashboard + "/run?run=spike")
+    chart = _loss_chart(page)
+    assert chart.get_attribute("data-lines") == "effective:raw,attempt 0:raw"
+    before = chart.evaluate("c => c.toDataURL()")
+    raw_blue = chart.evaluate(_PIXELS_OF, EFFECTIVE_COLOUR)
+    slider = page.locator("[data-testid='stSlider']").filter(has_text="smoothing").get_by_role("slider")
+    slider.focus()
+    slider.press("End")  # the most smoothing: 0.99
+    chart = _loss_chart(page, "[data-lines*='smooth']")
+    assert chart.get_attribute("data-lines") == "effective:raw-faint,effective:smooth,attempt 0:raw-faint,attempt 0:smooth"
+    assert "smooth=0.99" in page.url
+    assert chart.evaluate("c => c.toDataURL()") != before
+    # The full-strength blue is now the smoothed line; the raw line stays, faint: the same blue, mostly transparent.
+    assert chart.evaluate(_PIXELS_OF, EFFECTIVE_COLOUR) > 50 and chart.evaluate(_FAINT_PIXELS_OF, EFFECTIVE_COLOUR) > 100, raw_blue
+    page.close()
+
+
+def test_a_drag_zooms_to_its_steps_and_a_double_click_shows_them_all(browser, dashboard):
+    page = _open(browser, dashboard + "/run?run=spike")
+    chart = _loss_chart(page)
+    box = chart.bounding_box()
+    y = box["y"] + box["height"] / 2
+    page.mouse.move(_plot_x(chart, 19.5, 1, 60), y)
+    page.mouse.down()
+    page.mouse.move(_plot_x(chart, 40.5, 1, 60), y, steps=8)
+    page.mouse.up()
+    page.wait_for_url(re.compile(r"steps=\d+-\d+"), timeout=30_000)
+    assert re.search(r"steps=(\d+)-(\d+)", page.url).groups() == ("20", "40")
+    page.wait_for_function("() => [...document.querySelectorAll('p')].some(p => p.innerText.startsWith('Steps 20 to 40:'))", timeout=30_000)
+    _loss_chart(page).dblclick()
+    page.wait_for_function("() => !location.search.includes('steps=')", timeout=30_000)
+    assert _caption_steps(page) == 60
+    page.close()
+
+
+def test_log_scale_redraws_the_y_axis(browser, dashboard):
+    page = _open(browser, dashboard + "/run?run=spike")
+    before = _loss_chart(page, "[data-y-scale='linear']").evaluate("c => c.toDataURL()")
+    page.get_by_text("log y", exact=True).click()
+    chart = _loss_chart(page, "[data-y-scale='log']")
+    assert chart.evaluate("c => c.toDataURL()") != before and "log=1" in page.url
+    page.close()
+
+
+def test_the_wall_clock_axis_shows_the_time_a_hang_cost_and_the_chart_exports(browser, dashboard, drill_runs):
+    page = _open(browser, dashboard + "/run?run=hang")
+    _loss_chart(page)
+    page.get_by_text("wall-clock time", exact=True).click()
+    page.wait_for_url(re.compile(r"x=time"), timeout=30_000)
+    _loss_chart(page, "[data-x-axis='wall-clock time']")
+    with page.expect_download() as csv:
+        page.locator(".keel-panel[data-title='loss'] .keel-export-csv").click()
+    drawn = pd.read_csv(csv.value.path())
+    assert {"x", "step", "value", "segment"} <= set(drawn.columns)
+    effective = drawn[drawn.segment == "effective"].set_index("step").x
+    hang = read_events(drill_runs / "hang").query("kind == 'hang'").iloc[0]
+    gaps = effective.diff().dropna()
+    # The step that hung ends after the watchdog's wait and the restart: a gap far wider than any other.
+    assert gaps.loc[hang.step] > 10 > 3 * gaps.drop(hang.step).max(), gaps.to_dict()
+    with page.expect_download() as png:
+        page.locator(".keel-panel[data-title='loss'] .keel-export-png").click()
+    assert Path(png.value.path()).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page.close()
+
+
+def test_events_at_one_step_are_one_rule_whose_hover_lists_them_in_causal_order(browser, dashboard, drill_runs):
+    page = _open(browser, dashboard + "/run?run=hang")
+    chart = _loss_chart(page)
+    [hang_step] = read_events(drill_runs / "hang").query("kind == 'hang'").step
+    texts = [t for t in _hover_texts(page, chart) if f"hang at step {hang_step} " in t]
+    assert texts, "no hover names the hang"
+    kinds = [line.split(" at step ")[0] for line in texts[0].splitlines() if " at step " in line]
+    assert kinds == ["injected fault", "hang", "alert", "restart"], texts[0]
+    assert "resuming at step" in texts[0]
+    page.close()
+
+
+def test_a_fault_lasting_many_steps_is_one_band(browser, dashboard, drill_runs):
+    page = _open(browser, dashboard + "/run?run=late_collective")
+    chart = _loss_chart(page)
+    injected = read_events(drill_runs / "late_collective").query("kind == 'fault_injected'").step
+    assert len(injected) >= 5 and chart.get_attribute("data-bands") == "1"
+    rules = int(chart.get_attribute("data-rules"))
+    assert rules <= len(read_events(drill_runs / "late_collective").step.dropna().unique()) - len(injected) + 1
+    first, last = step_bounds(drill_runs / "late_collective")
+    page.mouse.move(_plot_x(chart, (injected.min() + injected.max()) / 2 + 0.3, first, last), chart.bounding_box()["y"] + 60)
+    page.locator(TIP).first.wait_for(timeout=10_000)
+    assert f"injected fault from step {injected.min()} to {injected.max()} ({len(injected)} events)" in _tip_text(page)
+    page.close()
+
+
+def test_a_legend_click_hides_a_line_and_a_second_shows_it(browser, dashboard):
+    page = _open(browser, dashboard + "/run?run=spike")
+    chart = _loss_chart(page)
+    entry = page.locator(".keel-panel[data-title='loss'] .keel-legend [data-label='attempt 0']")
+    entry.click()
+    chart = _loss_chart(page, "[data-segments='1']")
+    assert chart.evaluate(_PIXELS_OF, ABANDONED_COLOURS[0]) < 5
+    entry = page.locator(".keel-panel[data-title='loss'] .keel-legend [data-label='attempt 0']")
+    entry.click()
+    assert _loss_chart(page, "[data-segments='2']").evaluate(_PIXELS_OF, ABANDONED_COLOURS[0]) > 50
+    page.close()
+
+
+def test_a_narrow_window_keeps_the_charts_readable_and_the_hover_on_screen(browser, dashboard):
+    page = browser.new_page(viewport={"width": 800, "height": 1400})
+    page.goto(dashboard + "/run?run=spike")
+    chart = _loss_chart(page)
+    assert page.locator("[data-testid='stSidebar']").count() == 0  # the pages are in a top bar: all the width is the charts'
+    small = page.locator(".keel-panel[data-title='grad norm'] canvas[data-drawn]")
+    assert small.bounding_box()["width"] >= 280
+    box = chart.bounding_box()
+    for x in (box["x"] + 62, box["x"] + box["width"] - 12):  # near either edge of the plot
+        for dy in range(20, int(box["height"]) - 30, 6):
+            page.mouse.move(x, box["y"] + dy)
+            if page.locator(TIP).count():
+                break
+        tip = page.locator(TIP).first.bounding_box()
+        assert tip and 0 <= tip["x"] and tip["x"] + tip["width"] <= 800, tip
+    page.close()
+
+
+def test_an_event_links_to_its_steps_on_the_run_page(browser, dashboard, spike_run):
+    page = _open(browser, dashboard + "/events?run=spike&kind=rollback")
+    grid = page.locator("[data-testid='stDataFrame']").first
+    grid.wait_for(timeout=30_000)
+    [step] = read_events(spike_run).query("kind == 'rollback'").step
+    cell = grid.locator("td[data-testid='glide-cell-0-0']")  # the link column (the first) of the first (only) row
+    assert cell.text_content() == f"run?run=spike&steps={step - 25}-{step + 25}"
+    box = grid.bounding_box()
+    # The table is drawn on a canvas: the first row's link text (a 35 px header, rows of 35 px). The first click
+    # selects its cell, the next follows the link, in a new tab.
+    link = (box["x"] + 16, box["y"] + 35 + 17)
+    page.mouse.click(*link)
+    with page.context.expect_page() as opened:
+        page.mouse.click(*link)
+    run_page = opened.value
+    run_page.wait_for_load_state()
+    assert f"steps={step - 25}-{step + 25}" in run_page.url and "run=spike" in run_page.url
+    run_page.get_by_text(re.compile(rf"^Steps {step - 25} to {step + 25}:")).first.wait_for(timeout=30_000)
+    run_page.close()
+    page.close()
+
+
+@pytest.mark.parametrize("width", [1400, 800])
+def test_every_page_renders_and_is_saved_as_a_screenshot(browser, dashboard, shots, width):
     for name, path in PAGES.items():
-        page = _open(browser, dashboard + path)
-        page.locator(DRAWN[name]).first.wait_for(timeout=30_000)
-        page.wait_for_timeout(300)  # a table's cells finish painting
+        page = browser.new_page(viewport={"width": width, "height": 2400})
+        page.goto(dashboard + path)
+        page.locator(DRAWN[name]).first.wait_for(timeout=60_000)
+        page.wait_for_timeout(500)  # a table's cells finish painting
         assert page.locator("[data-testid='stException']").count() == 0, name
-        page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
-        assert (shots / f"{name}.png").stat().st_size > 20_000
+        for table in page.locator("[data-testid='stDataFrame'] table").all():  # a missing value is an empty cell
+            assert "None" not in table.text_content(), name
+        page.screenshot(path=str(shots / f"{name}-{width}.png"), full_page=True)
+        assert (shots / f"{name}-{width}.png").stat().st_size > 20_000
         page.close()
 
 
@@ -253,3 +458,28 @@ def test_a_fault_injected_from_the_drills_page_reaches_the_live_run(runs_folder,
     while time.time() < deadline and not (read_events(live_run).kind == "nonfinite").any():
         time.sleep(0.5)
     assert (read_events(live_run).kind == "nonfinite").any(), "the trainer never took the injected NaN"
+
+
+def test_the_header_says_killed_once_a_run_is_killed_with_sigkill(browser, dashboard, live_run, live_job):
+    """The last test: it kills the live run. Its lock is free at once; once it has been silent for
+    KILLED_AFTER_S (a restart's gap is shorter) the header says killed, not running."""
+    page = _open(browser, dashboard + "/run?run=live")
+    page.get_by_text("running", exact=True).first.wait_for(timeout=30_000)
+    page.close()
+    # Every process of the job at once, as an OOM killer or `kill -9` ends them: keel and torchrun (the job's
+    # session) and the worker holding the run's lock (which would otherwise get torchrun's death signal and stop).
+    holder = json.loads((live_run / LOCK_FILE).read_text())["pid"]
+    os.killpg(live_job.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):  # in the job's session, it may be gone already
+        os.kill(holder, signal.SIGKILL)
+    live_job.wait(timeout=30)
+    deadline = time.time() + 10
+    while lock_held(live_run) and time.time() < deadline:  # the kernel frees the lock as the process is reaped
+        time.sleep(0.1)
+    assert lock_held(live_run) is False
+    last_seen = summarize_run(live_run)["last_seen"]
+    time.sleep(max(0.0, last_seen + KILLED_AFTER_S + 1 - time.time()))
+    page = _open(browser, dashboard + "/run?run=live")
+    page.get_by_text("killed", exact=True).first.wait_for(timeout=30_000)
+    assert page.get_by_text("running", exact=True).count() == 0
+    page.close()

@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from keel.dashboard.series import chart_titles, metric_series, segments
+from keel.dashboard.series import chart_titles, metric_series, segments, with_x
 from keel.monitor import metric_registry, metrics_cli
 from keel.monitor.metric_registry import STEP_METRICS, Chart, StepMetric
 from keel.monitor.prometheus import PrometheusSink
@@ -71,7 +71,8 @@ def test_a_metric_added_to_the_registry_reaches_the_store_the_exporter_the_table
     assert table[0][-1] == "optimizer_time_s" and [row[-1] for row in table[1:]] == ["-", "0.002", "0.004"]
 
     assert chart_titles()["optimizer_time_s"] == "optimizer time (ms)"
-    drawn = metric_series(steps.assign(segment=segments(steps, abandoned_mask(steps))), "optimizer_time_s", grid=(1, 3))
+    rows = with_x(steps.assign(segment=segments(steps, abandoned_mask(steps))), "step", origin=0.0)
+    drawn = metric_series(rows, "optimizer_time_s", grid=(1, 3))
     assert drawn.step.tolist() == [2, 3] and drawn.value.tolist() == pytest.approx([2.0, 4.0])
 
 
