@@ -32,6 +32,8 @@ class RunData:
     goodput: Goodput  # of the whole run
     custom: pd.DataFrame  # the user's own metrics in the range, as read_custom_metrics, each row with its line
     custom_names: tuple[str, ...]  # every name the run reported, in or out of the range, sorted: a chart each
+    every: pd.DataFrame  # every attempt's rows of the whole run, as read_steps (for the run's summary)
+    meta: dict
 
 
 def bin_width(steps: tuple[int, int], bins: int) -> int:
@@ -77,8 +79,9 @@ class RunReader:
             rows = _with_segments(every, steps, starts)
             custom = _with_segments(self._custom, steps, starts)
             names = tuple(sorted(self._custom.name.unique())) if len(self._custom) else ()
-            goodput = run_goodput(read_meta(self.run_dir), every, self._events)  # the Runs page's figure too
-            return RunData(rows, self._events, self._rank_bins(steps), goodput, custom, names)
+            meta = read_meta(self.run_dir)
+            goodput = run_goodput(meta, every, self._events)  # the Runs page's figure too
+            return RunData(rows, self._events, self._rank_bins(steps), goodput, custom, names, every, meta)
 
     def _catch_up(self) -> None:
         new = read_appended(self.run_dir, self._mark)

@@ -38,7 +38,7 @@ from keel.dashboard.series import (
 from keel.monitor.checkpoints import checkpoint_table, verify
 from keel.monitor.goodput import Goodput
 from keel.monitor.run_dir import CONFIG_FILE, MANIFEST
-from keel.monitor.runs import summarize_run
+from keel.monitor.runs import summarize
 from keel.monitor.store import SLOWEST_RANKS, read_meta, step_bounds, store_version
 
 # The small charts, three to a row, are about 480 px wide on a wide page: M4 on 480 columns keeps every pixel
@@ -122,17 +122,10 @@ def run_reader(run_dir: str) -> RunReader:
 _BADGES = {"running": "blue", "finished": "green", "stopped": "orange", "failed": "red", "killed": "red", "hung": "violet"}
 
 
-# Read again at most every refresh while the store changes: what the header shows of a quiet run (killed
-# after KILLED_AFTER_S of silence) changes with the clock, not with the store.
-@st.cache_data(ttl=REFRESH_S, max_entries=16, show_spinner=False)
-def _summary(run_dir: str, version: tuple[int, ...]) -> dict:
-    return summarize_run(run_dir)
-
-
-def _header(run_dir: Path, version: tuple[int, ...]) -> None:
-    """The run at a glance: its status (keel.monitor.runs), id, folder, layout, start, last update, time
-    left and last alert."""
-    row = _summary(str(run_dir), version)
+def _header(run_dir: Path, data: RunData) -> None:
+    """The run at a glance: its status (keel.monitor.runs; worked out at each refresh, as a killed run's
+    store does not change), id, folder, layout, start, last update, time left and last alert."""
+    row = summarize(run_dir, data.every, data.events, data.meta, goodput=data.goodput)
     now = time.time()
     parts = [f":{_BADGES.get(row['status'], 'gray')}-badge[{row['status']}]", f"**{row['run_id']}**", f"`{run_dir}`"]
     parts += [row["layout"]] if row["layout"] else []
@@ -171,13 +164,15 @@ def _live_run(run_dir: Path) -> None:
         if bounds is None:
             st.info("No step recorded yet.")
             return
-        _header(run_dir, version)
+        header = st.container()  # above the controls; filled once the run is read
         view = choose_view("run", zoom=True)
         steps = choose_step_range(*bounds)
         data = read_run(str(run_dir), steps, version)
     except (sqlite3.Error, FileNotFoundError) as e:
         st.warning(f"{run_dir}: cannot read its run store ({type(e).__name__}: {e}).")
         return
+    with header:
+        _header(run_dir, data)
     origin = run_origin(data.rows, data.events)
     rows = with_x(data.rows, view.axis, origin)
     markers = event_markers(data.events)

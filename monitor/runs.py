@@ -32,10 +32,10 @@ from typing import Any
 import pandas as pd
 
 from keel.monitor.event_kinds import EventKind
-from keel.monitor.goodput import run_goodput
+from keel.monitor.goodput import Goodput, run_goodput
 from keel.monitor.run_dir import CHECKPOINT_DIR, DRILL_DIR, STORE_FILE
 from keel.monitor.run_lock import lock_held
-from keel.monitor.store import read_events, read_meta, read_steps
+from keel.monitor.store import abandoned_mask, read_events, read_meta, read_steps
 
 MIN_STALE_S = 120.0
 # How long a run whose lock nothing holds may be silent before it counts as killed. The lock is free between
@@ -85,12 +85,23 @@ def find_drills(folders: Iterable[str | Path]) -> list[Path]:
 
 def summarize_run(run_dir: str | Path, now: float | None = None) -> dict[str, Any]:
     """One run's row (SUMMARY_COLUMNS). Never raises for a damaged store: its status is `unreadable`."""
+    try:
+        every, events, meta = read_steps(run_dir), read_events(run_dir), read_meta(run_dir)
+    except (sqlite3.Error, FileNotFoundError, ValueError) as e:
+        row = dict.fromkeys(SUMMARY_COLUMNS) | {"run_id": Path(run_dir).name, "run_dir": str(run_dir)}
+        return row | {"status": "unreadable", "problem": f"{type(e).__name__}: {e}"}
+    return summarize(run_dir, every, events, meta, now)
+
+
+def summarize(run_dir: str | Path, every: pd.DataFrame, events: pd.DataFrame, meta: dict, now: float | None = None,
+              goodput: Goodput | None = None) -> dict[str, Any]:  # fmt: skip
+    """One run's row (SUMMARY_COLUMNS) from what was read of it: every attempt's step rows (as read_steps
+    reads them), its events and its meta, and its goodput (run_goodput) when already worked out. The
+    Run page sums up the run it has read this way, without reading it again."""
     run_dir = Path(run_dir)
     row: dict[str, Any] = dict.fromkeys(SUMMARY_COLUMNS) | {"run_id": run_dir.name, "run_dir": str(run_dir)}
-    try:
-        steps, events, meta = read_steps(run_dir, effective=True), read_events(run_dir), read_meta(run_dir)
-    except (sqlite3.Error, FileNotFoundError, ValueError) as e:
-        return row | {"status": "unreadable", "problem": f"{type(e).__name__}: {e}"}
+    steps = every[~abandoned_mask(every)]  # the effective trajectory: read_steps(effective=True)
+    goodput = goodput or run_goodput(meta, every, events)
     config = meta.get("config", {})
     parallel = config.get("parallel", {})
     alerts = events[events.kind == EventKind.ALERT]
@@ -98,7 +109,7 @@ def summarize_run(run_dir: str | Path, now: float | None = None) -> dict[str, An
         "run_id": meta.get("run_id", run_dir.name),
         "layout": f"pp{parallel['pp']} dp{parallel['dp']} tp{parallel['tp']}" if parallel else None,
         "total_steps": config.get("training", {}).get("steps"),
-        "goodput": float(run_goodput(meta, read_steps(run_dir), events).goodput),  # as the Run page shows it
+        "goodput": float(goodput.goodput),  # as the Run page shows it
         "rollbacks": int((events.kind == EventKind.ROLLBACK).sum()),
         "restarts": int((events.kind == EventKind.RESTART).sum()),
         "alerts": len(alerts),

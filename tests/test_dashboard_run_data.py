@@ -19,6 +19,7 @@ from keel.monitor.store import (
     read_attempt_starts,
     read_custom_metrics,
     read_events,
+    read_meta,
     read_rank_bins,
     read_steps,
     step_bounds,
@@ -56,7 +57,8 @@ def whole_read(run_dir, steps: tuple[int, int]) -> RunData:
     custom = every_custom[every_custom.step.between(*steps)].reset_index(drop=True)
     custom = custom.assign(segment=segments(custom, abandoned_mask(custom, read_attempt_starts(run_dir))))
     names = tuple(sorted(every_custom.name.unique()))
-    return RunData(rows, events, ranks, compute_goodput(read_steps(run_dir), events), custom, names)
+    whole = read_steps(run_dir)
+    return RunData(rows, events, ranks, compute_goodput(whole, events), custom, names, whole, read_meta(run_dir))
 
 
 # Each batch is what a trainer wrote between two refreshes.
@@ -78,6 +80,7 @@ BATCHES = [
 def assert_same(got: RunData, want: RunData) -> None:
     pd.testing.assert_frame_equal(got.rows, want.rows, check_exact=True)
     pd.testing.assert_frame_equal(got.events, want.events, check_exact=True)
+    pd.testing.assert_frame_equal(got.every, want.every, check_exact=True)
     pd.testing.assert_frame_equal(got.ranks, want.ranks, check_exact=True)
     assert got.goodput == want.goodput
     pd.testing.assert_frame_equal(got.custom, want.custom, check_exact=True)
