@@ -24,9 +24,9 @@ HANG_STEP, DOWN_S = 30, 40.0  # the step that hung, and the seconds it and the r
 LATE = range(40, 52)  # the steps rank 2 was late for
 
 
-def _write_run(run_dir: Path, ranks: int) -> None:
+def _write_run(run_dir: Path, ranks: int, finished: bool) -> None:
     """A run of STEPS steps at 1 s a step on `ranks` ranks: a hang at HANG_STEP, torchrun's restart, the
-    rank 2 late for the steps of LATE, a checkpoint every 10 steps."""
+    rank 2 late for the steps of LATE, a checkpoint every 10 steps; `finished`: it ended (else it went silent)."""
     with RunStore(run_dir) as store:
         for step in range(1, STEPS + 1):
             late = DOWN_S if step >= HANG_STEP else 0.0  # the time the hang cost, on every step after it
@@ -50,13 +50,15 @@ def _write_run(run_dir: Path, ranks: int) -> None:
             store.write_event(
                 EventKind.STRAGGLER, "rank 2 is late", severity="warning", step=step, attempt=1, rank=2, time=START + step + DOWN_S
             )
+        if finished:
+            store.write_event(EventKind.RUN_FINISHED, "done", step=STEPS, attempt=1, time=START + STEPS + DOWN_S)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("views")
-    _write_run(folder / "eight", ranks=8)
-    _write_run(folder / "three", ranks=3)
+    _write_run(folder / "eight", ranks=8, finished=False)
+    _write_run(folder / "three", ranks=3, finished=True)
     return folder
 
 
@@ -142,3 +144,37 @@ def test_shares_are_percent_as_on_the_runs_page_and_unrecorded_metrics_get_no_ch
 def test_the_slowest_ranks_chart_needs_more_ranks_than_it_names(runs, monkeypatch):
     assert "steps among the slowest" in _charts(_run_page(runs, monkeypatch, run="eight"))
     assert "steps among the slowest" not in _charts(_run_page(runs, monkeypatch, run="three"))
+
+
+def _compare_page(folder: Path, monkeypatch, params: dict) -> AppTest:
+    monkeypatch.setenv(RUNS_ENV, str(folder))
+    app = AppTest.from_string("from keel.dashboard.compare_page import render_compare\nrender_compare()", default_timeout=60)
+    app.query_params.update(params)
+    app.run()
+    assert not app.exception and not app.error, (app.exception, app.error)
+    return app
+
+
+def test_compare_draws_several_metrics_with_each_runs_events(runs, monkeypatch):
+    app = _compare_page(runs, monkeypatch, {"run": ["eight", "three"], "metric": ["loss", "grad_norm"], "x": "tokens"})
+    charts = _charts(app)
+    assert {"loss by tokens trained on", "grad norm by tokens trained on"} <= set(charts)
+    for chart in (charts["loss by tokens trained on"], charts["grad norm by tokens trained on"]):
+        lines = chart["frames"]["lines"]
+        assert set(lines.run) == {"eight", "three"}
+        # The tokens trained on, as the store keeps them (a running total): 256 a step, not summed again.
+        assert lines[lines.run == "three"].x.tolist() == [256.0 * s for s in range(1, STEPS + 1)]
+        texts = "\n".join(chart["frames"]["rules"].text) + "\n".join(chart["frames"]["bands"].text)
+        assert "eight: hang" in texts and "three: hang" in texts  # each run's events, naming the run
+        assert len(chart["frames"]["bands"]) == 2  # each run's late rank: a band each, not one for both
+
+
+def test_compare_offers_the_runs_a_name_or_status_filter_keeps(runs, monkeypatch):
+    app = _compare_page(runs, monkeypatch, {"filter": "thr"})
+    assert app.multiselect(key="compare-runs").options == ["three"] and app.multiselect(key="compare-runs").value == ["three"]
+    app.text_input(key="compare-filter").set_value("").run()
+    assert app.multiselect(key="compare-status").options == ["failed", "finished"]  # eight went silent, three ended
+    assert app.multiselect(key="compare-runs").options == ["eight", "three"]
+    app.multiselect(key="compare-runs").set_value([]).run()
+    app.multiselect(key="compare-status").set_value(["failed"]).run()
+    assert app.multiselect(key="compare-runs").options == ["eight"]
