@@ -279,13 +279,18 @@ function drawLines(g, panel, width, height, hidden) {
   g.globalAlpha = 0.75;
   for (let i = 0; i < (rules.x || []).length; i++) {
     if (!ruleShown(i)) continue;
-    g.strokeStyle = rules.colour[i];
-    g.lineWidth = rules.kinds[i].length > 1 ? 2 : 1; // a group of events reads a little heavier than one
-    const px = Math.round(x(rules.x[i])) + 0.5;
-    g.beginPath();
-    g.moveTo(px, plot.top);
-    g.lineTo(px, plot.bottom);
-    g.stroke();
+    // A group of events reads a little heavier than one, in a stripe of each kind's colour, top to bottom in
+    // the order they happened: every kind the legend lists is seen.
+    const colours = rules.colours[i].filter((_, k) => !hidden.has(rules.kinds[i][k]));
+    const px = Math.round(x(rules.x[i])) + 0.5, stripe = (plot.bottom - plot.top) / colours.length;
+    g.lineWidth = colours.length > 1 ? 2 : 1;
+    colours.forEach((colour, k) => {
+      g.strokeStyle = colour;
+      g.beginPath();
+      g.moveTo(px, plot.top + k * stripe);
+      g.lineTo(px, plot.top + (k + 1) * stripe);
+      g.stroke();
+    });
   }
   g.globalAlpha = 1;
   const bySegment = new Map();

@@ -56,8 +56,6 @@ def segments(every: pd.DataFrame, abandoned: pd.Series) -> pd.Series:
 # What the charts' x axis can be: the step, the tokens trained on up to it, or the wall-clock time since
 # the run began (where a hang's lost minutes show as a gap).
 AXES = {"step": "step", "tokens": "tokens trained on", "time": "wall-clock time"}
-# The severities, worst first: a group of events at one step takes the colour of its worst.
-_SEVERITY_ORDER = {"critical": 0, "error": 1, "warning": 2, "info": 3}
 # A fault that lasts (a straggler, a run of bad batches): events of one kind on one rank no more than
 # BAND_GAP steps apart, BAND_MIN of them or more, drawn as one shaded band instead of a rule per step.
 BAND_GAP, BAND_MIN = 5, 5
@@ -159,8 +157,9 @@ def marker_layers(markers: pd.DataFrame, domain: tuple[float, float]) -> tuple[p
     bands: a lasting fault (see BAND_GAP) as one shaded span: x0, x1, first, last (steps), kind, colour,
     count, text. rules: every other event grouped with those less than RULE_PIXELS of BUCKETS pixel
     columns from it (at one step, or on a long range at steps a pixel apart: rules that would cover each
-    other), one rule each: step (the first), x, kinds (the words, in the order they happened), colour (of
-    the worst severity), text (a line per event)."""
+    other), one rule each: step (the first), x, kinds (the words, in the order they happened), colours
+    (each kind's, in that order: the rule is drawn in stripes of them, so every kind the legend lists is
+    seen), text (a line per event)."""
     in_band = pd.Series(False, index=markers.index)
     bands = []
     lasting = ["kind", "rank", *(["run"] if "run" in markers else [])]  # one run's fault, on the Compare page
@@ -178,7 +177,7 @@ def marker_layers(markers: pd.DataFrame, domain: tuple[float, float]) -> tuple[p
     return pd.DataFrame(_rules(single), columns=_RULE_COLUMNS), pd.DataFrame(bands, columns=_BAND_COLUMNS)
 
 
-_RULE_COLUMNS = ["step", "x", "kinds", "colour", "text"]
+_RULE_COLUMNS = ["step", "x", "kinds", "colours", "text"]
 _BAND_COLUMNS = ["x0", "x1", "first", "last", "kind", "colour", "count", "text"]
 
 
@@ -187,16 +186,12 @@ def _rules(events: pd.DataFrame) -> list[dict]:
     hundred events of a long run's range in milliseconds, where a pandas group took 4 ms each."""
     rules: dict[int, dict] = {}
     for e in events.itertuples():
-        worst = _SEVERITY_ORDER.get(e.severity, len(_SEVERITY_ORDER))
-        rule = rules.setdefault(e.cluster, {"step": int(e.step), "x": float(e.x), "kinds": [], "lines": [], "worst": worst + 1})
+        rule = rules.setdefault(e.cluster, {"step": int(e.step), "x": float(e.x), "kinds": [], "colours": [], "lines": []})
         rule["x"] = min(rule["x"], float(e.x))
         rule["kinds"].append(e.kind)
+        rule["colours"].append(MARKER_COLOURS[e.kind])
         rule["lines"].append(f"{e.kind} at step {e.step:,} (attempt {e.attempt}, rank {e.rank}, {e.severity}): {e.message}")
-        if worst < rule["worst"]:  # the first of the worst severity gives the rule its colour
-            rule["worst"], rule["colour"] = worst, MARKER_COLOURS[e.kind]
-    return [
-        {"step": r["step"], "x": r["x"], "kinds": r["kinds"], "colour": r["colour"], "text": "\n".join(r["lines"])} for r in rules.values()
-    ]
+    return [{**{k: r[k] for k in _RULE_COLUMNS if k != "text"}, "text": "\n".join(r["lines"])} for r in rules.values()]
 
 
 def _band(kind: str, part: pd.DataFrame) -> dict:

@@ -14,7 +14,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from keel.dashboard.runs_page import RUNS_ENV
-from keel.dashboard.series import smoothed
+from keel.dashboard.series import MARKER_COLOURS, smoothed
 from keel.monitor.event_kinds import EventKind
 from keel.monitor.store import RunStore
 
@@ -88,7 +88,9 @@ def test_events_at_one_step_are_one_rule_in_causal_order_with_the_restart_where_
     # drawn at the step that hung, in the order they happened.
     assert rules.loc[HANG_STEP].kinds == ["injected fault", "hang", "alert", "restart", "checkpoint saved"]
     assert rules.loc[HANG_STEP - 10].kinds == ["checkpoint saved"]  # not where the run resumed, before the hang
-    assert "resuming at step 21" in rules.loc[HANG_STEP].text and rules.loc[HANG_STEP].colour == "#9467bd"  # the hang's: critical
+    assert "resuming at step 21" in rules.loc[HANG_STEP].text
+    # Drawn in a stripe of each kind's colour, so that every kind the legend lists is seen.
+    assert rules.loc[HANG_STEP].colours == [MARKER_COLOURS[k] for k in rules.loc[HANG_STEP].kinds]
     assert len(rules.loc[HANG_STEP].text.splitlines()) == 5
 
 
