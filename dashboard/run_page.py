@@ -11,6 +11,7 @@ The charts show the step range of the slider above them, every step of it when i
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 import time
 from pathlib import Path
@@ -173,6 +174,9 @@ def _live_run(run_dir: Path) -> None:
         return
     with header:
         _header(run_dir, data)
+    if view.axis == "tokens" and not data.rows.tokens.gt(0).any():
+        st.caption("This run recorded no tokens (a loop opened without tokens_per_step): drawn by step.")
+        view = dataclasses.replace(view, axis="step")
     origin = run_origin(data.rows, data.events)
     rows = with_x(data.rows, view.axis, origin)
     markers = event_markers(data.events)

@@ -180,3 +180,13 @@ def test_compare_offers_the_runs_a_name_or_status_filter_keeps(runs, monkeypatch
     app.multiselect(key="compare-runs").set_value([]).run()
     app.multiselect(key="compare-status").set_value(["failed"]).run()
     assert app.multiselect(key="compare-runs").options == ["eight"]
+
+
+def test_the_tokens_axis_of_a_run_without_tokens_falls_back_to_steps_and_says_so(tmp_path, monkeypatch):
+    with RunStore(tmp_path / "loop") as store:  # a user's loop opened without tokens_per_step
+        for step in range(1, 6):
+            store.write_step({"step": step, "attempt": 0, "time": START + step, "loss": 3.0, "tokens": 0, "step_time_s": 1.0})
+    app = _run_page(tmp_path, monkeypatch, run="loop", x="tokens")
+    assert any("recorded no tokens" in c.value for c in app.caption)
+    loss = _charts(app)["loss"]
+    assert loss["x_title"] == "step" and loss["frames"]["lines"].x.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
