@@ -18,7 +18,6 @@ from test_dashboard import _charts, _run_page
 from test_prometheus_exporter import ROW, families, scrape
 from test_store import full_step
 
-from keel.dashboard.series import chart_titles
 from keel.monitor import metric_registry
 from keel.monitor.custom_metrics import CUSTOM_KEY, check_custom_metric_name
 from keel.monitor.metric_registry import STEP_METRICS, StepMetric
@@ -208,15 +207,15 @@ def test_run_page_draws_a_chart_per_custom_metric_and_none_without(tmp_path, mon
     assert not app.exception and not app.error, (app.exception, app.error)
     assert "Your metrics" in [h.value for h in app.subheader]
     charts = _charts(app)
-    assert set(chart_titles().values()) | {"acc", "val_loss"} <= set(charts)
+    assert {"loss", "grad norm", "acc", "val_loss"} <= set(charts)  # the user's metrics beside Keel's own
     effective = read_custom_metrics(mine, effective=True)
     for name in ("acc", "val_loss"):
-        [lines] = [f for f in charts[name] if "segment" in f.columns]
+        lines = charts[name]["lines"]
         kept = effective[effective.name == name]
         drawn = lines[lines.segment == "effective"]
         assert drawn.step.tolist() == kept.step.tolist() and drawn.value.tolist() == kept.value.tolist(), name
     # The steps attempt 1 ran again are drawn apart, dashed, as for Keel's own metrics.
-    [lines] = [f for f in charts["val_loss"] if "segment" in f.columns]
+    lines = charts["val_loss"]["lines"]
     assert sorted(lines[lines.segment == "attempt 0"].step) == [6, 7, 8, 9, 10]
 
     app = _run_page(tmp_path, "plain", monkeypatch)

@@ -171,7 +171,7 @@ def test_the_dashboard_draws_the_validation_loss_on_the_run_and_compare_pages(ru
     stored = read_steps(run_dir, effective=True).dropna(subset=["validation_loss"])
     app = _run_page(run_dir.parent, run_dir.name, monkeypatch)
     assert not app.exception and not app.error, (app.exception, app.error)
-    [drawn] = [f for f in _charts(app)["validation loss"] if "segment" in f.columns]
+    drawn = _charts(app)["validation loss"]["lines"]
     assert drawn.step.tolist() == stored.step.tolist() and drawn.value.tolist() == stored.validation_loss.tolist()
     # Compare offers it among the metrics and draws each run's evaluated steps.
     app = AppTest.from_string("from keel.dashboard.compare_page import render_compare\nrender_compare()", default_timeout=60)
@@ -180,5 +180,5 @@ def test_the_dashboard_draws_the_validation_loss_on_the_run_and_compare_pages(ru
     app.run()
     assert not app.exception and not app.error, (app.exception, app.error)
     [title] = [t for t in _charts(app) if t.startswith("validation loss")]
-    drawn = _charts(app)[title][0]
+    drawn = _charts(app)[title]["lines"]
     assert set(drawn.run) == {run_dir.name, runs["pp2", True].name} and drawn.groupby("run").size().tolist() == [3, 3], drawn
