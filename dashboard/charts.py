@@ -40,7 +40,7 @@ class View:
 def draw(panels: list[dict], key: str, columns: int = 1, on_zoom: Callable[[], None] | None = None) -> None:
     """Draw `panels` (from the functions below) up to `columns` to a row (fewer in a narrow window),
     filling the container's width. With `on_zoom`, a drag across a chart or a double-click on it calls
-    it, st.session_state[key]["zoom"] holding the steps chosen ([first, last], or None: all of them)."""
+    it, st.session_state[key]["zoom"] holding the steps chosen ([first, last], or "all": every step)."""
     callbacks = {} if on_zoom is None else {"on_zoom_change": on_zoom}
     _CHART(data={"columns": columns, "panels": panels}, key=key, **callbacks)
 
@@ -64,7 +64,7 @@ def line_chart(series: pd.DataFrame, by: str, styles: dict[str, dict], title: st
         drawn = set(series[by])
         panel["legend"] = [{"label": n, "colour": s["colour"], "dashed": bool(s["dash"])} for n, s in styles.items() if n in drawn]
         kinds = dict.fromkeys([k for ks in rules.get("kinds", []) for k in ks] + list(bands.get("kind", [])))
-        panel["legend"] += [{"label": k, "colour": MARKER_COLOURS[k], "dashed": False, "event": True} for k in kinds]
+        panel["legend"] += [{"label": k, "colour": MARKER_COLOURS[k], "dashed": False} for k in kinds]
     return panel
 
 

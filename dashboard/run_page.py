@@ -1,12 +1,14 @@
-"""The Run page: one run, live. Every step metric against step with every event marked (hover for what
-happened) and the attempts a rollback or restart abandoned drawn beside the effective trajectory; the
+"""The Run page: one run, live. A header with its status (killed included), layout, progress and last
+alert; every step metric against step, tokens or wall-clock time, smoothed or not, with every event
+marked (events at one step grouped on one rule, a lasting fault as a band; hover for what happened) and the attempts a rollback or restart abandoned drawn beside the effective trajectory; the
 ranks side by side (step and communication time per rank and step, stragglers picked out, memory);
 goodput and where the rest of the time went; the checkpoints; the resolved config. Below Keel's own
 metrics, a chart for each metric the user's training code reported (keel.monitor.custom_metrics), drawn
 the same way; nothing when it reported none.
 
-The charts show the step range of the slider above them, every step of it when it is narrow enough
-(M4 keeps at most 4 points per pixel column), and the range is kept across refreshes and in the URL.
+The charts show the step range of the slider above them (or of a drag across a chart), every step of it
+when it is narrow enough (M4 keeps at most 4 points per pixel column), and the range is kept across
+refreshes and in the URL.
 """
 
 from __future__ import annotations
@@ -183,9 +185,13 @@ def _live_run(run_dir: Path) -> None:
     markers = markers[markers.step.between(*steps)]
     markers = markers.assign(x=marker_x(markers, rows, view.axis, origin))
     domain = _domain(rows, markers, steps, view)
+    # Every event on the loss chart; the others without the routine ones (a checkpoint every few hundred
+    # steps would hide the small charts' lines).
+    every_event = marker_layers(markers, domain)
+    unusual = marker_layers(markers[~markers.kind.isin(ROUTINE_MARKERS)], domain)
     ranks = data.ranks["rank"].nunique() if len(data.ranks) else 0
-    _metric_charts(rows, markers, steps, view, domain, communicates=ranks > 1)
-    _custom_charts(data.custom, data.custom_names, rows, markers, view, domain)
+    _metric_charts(rows, len(markers), every_event, unusual, steps, view, domain, communicates=ranks > 1)
+    _custom_charts(data.custom, data.custom_names, rows, unusual, view, domain)
     _rank_charts(data.ranks, straggler_marks(data.events, steps), steps)
     _slowest_ranks(data.rows, ranks)
     left, right = st.columns([2, 3])
@@ -203,21 +209,23 @@ def _domain(rows: pd.DataFrame, markers: pd.DataFrame, steps: tuple[int, int], v
     return float(xs.min()), float(xs.max())
 
 
-def _metric_charts(rows: pd.DataFrame, markers: pd.DataFrame, steps: tuple[int, int], view: View, domain: tuple[float, float],
-                   communicates: bool) -> None:  # fmt: skip
+Layers = tuple[pd.DataFrame, pd.DataFrame]  # series.marker_layers: (rules, bands)
+
+
+def _metric_charts(rows: pd.DataFrame, marked: int, every_event: Layers, unusual: Layers, steps: tuple[int, int], view: View,
+                   domain: tuple[float, float], communicates: bool) -> None:  # fmt: skip
     effective = int((rows.segment == "effective").sum())
     st.caption(f"Steps {steps[0]:,} to {steps[1]:,}: {effective:,} in effect, {len(rows) - effective:,} abandoned by rollbacks "
-               f"or restarts, {len(markers)} events marked; drag across a chart to zoom, double-click for every step; "
+               f"or restarts, {marked} events marked; drag across a chart to zoom, double-click for every step; "
                f"refreshed every {REFRESH_S:g} s.")  # fmt: skip
     # The loss at full width with the legends and every event; the other metrics below, small, sharing its
-    # colours, with every event but the routine ones. A metric the run never recorded in the range (a
+    # colours, with the unusual events. A metric the run never recorded in the range (a
     # validation loss without evaluation) gets no empty chart, nor does one process's communication share
     # (always 0: it does not communicate).
     titles = chart_titles()
     loss = metric_series(rows, "loss", domain, smoothing=view.smoothing)
-    draw([metric_chart(loss, titles["loss"], 300, view, domain, marker_layers(markers, domain), legend=True)], key="chart-loss",
+    draw([metric_chart(loss, titles["loss"], 300, view, domain, every_event, legend=True)], key="chart-loss",
          on_zoom=lambda: _zoom_to("chart-loss"))  # fmt: skip
-    unusual = marker_layers(markers[~markers.kind.isin(ROUTINE_MARKERS)], domain)
     small = [
         metric_chart(
             metric_series(rows, metric, domain, SMALL_CHART_BUCKETS, view.smoothing), title, 150, view, domain, unusual, legend=False
@@ -228,14 +236,13 @@ def _metric_charts(rows: pd.DataFrame, markers: pd.DataFrame, steps: tuple[int, 
     draw(small, key="chart-grid", columns=3, on_zoom=lambda: _zoom_to("chart-grid"))
 
 
-def _custom_charts(custom: pd.DataFrame, names: tuple[str, ...], rows: pd.DataFrame, markers: pd.DataFrame, view: View,
+def _custom_charts(custom: pd.DataFrame, names: tuple[str, ...], rows: pd.DataFrame, unusual: Layers, view: View,
                    domain: tuple[float, float]) -> None:  # fmt: skip
     """The user's own metrics, as the small charts of Keel's: one per name the run reported, in or out
     of the range (a metric reported every thousand steps keeps its chart in a narrow range)."""
     if not names:
         return
     st.subheader("Your metrics")
-    unusual = marker_layers(markers[~markers.kind.isin(ROUTINE_MARKERS)], domain)
     series = {name: custom_series(custom, rows, name, domain, SMALL_CHART_BUCKETS, view.smoothing) for name in names}
     charts = [metric_chart(drawn, name, 150, view, domain, unusual, legend=False) for name, drawn in series.items()]
     draw(charts, key="chart-custom", columns=3, on_zoom=lambda: _zoom_to("chart-custom"))

@@ -62,13 +62,18 @@ def runs(tmp_path_factory) -> Path:
     return folder
 
 
-def _run_page(folder: Path, monkeypatch, **params: str) -> AppTest:
+def _page(module: str, render: str, folder: Path, monkeypatch, params: dict) -> AppTest:
+    """A page of the dashboard (keel.dashboard.MODULE's RENDER) over the runs in `folder`, run once without error."""
     monkeypatch.setenv(RUNS_ENV, str(folder))
-    app = AppTest.from_string("from keel.dashboard.run_page import render_run\nrender_run()", default_timeout=60)
+    app = AppTest.from_string(f"from keel.dashboard.{module} import {render}\n{render}()", default_timeout=60)
     app.query_params.update(params)
     app.run()
     assert not app.exception and not app.error, (app.exception, app.error)
     return app
+
+
+def _run_page(folder: Path, monkeypatch, **params: str) -> AppTest:
+    return _page("run_page", "render_run", folder, monkeypatch, params)
 
 
 def _charts(app: AppTest) -> dict[str, dict]:
@@ -149,12 +154,7 @@ def test_the_slowest_ranks_chart_needs_more_ranks_than_it_names(runs, monkeypatc
 
 
 def _compare_page(folder: Path, monkeypatch, params: dict) -> AppTest:
-    monkeypatch.setenv(RUNS_ENV, str(folder))
-    app = AppTest.from_string("from keel.dashboard.compare_page import render_compare\nrender_compare()", default_timeout=60)
-    app.query_params.update(params)
-    app.run()
-    assert not app.exception and not app.error, (app.exception, app.error)
-    return app
+    return _page("compare_page", "render_compare", folder, monkeypatch, params)
 
 
 def test_compare_draws_several_metrics_with_each_runs_events(runs, monkeypatch):
