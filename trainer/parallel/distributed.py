@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -83,18 +84,24 @@ def sum_over_ranks(value: float, device: torch.device, world: int) -> float:
 
 
 PROBE_BYTES = 8 * 2**20  # big enough that the time is the link's, not the call's overhead
-PROBE_WARMUP, PROBE_ITERS, LATENCY_ITERS = 2, 5, 20
+PROBE_WARMUP, PROBE_ROUNDS = 2, 7
+PROBE_CALLS, LATENCY_CALLS = 1, 4  # calls a round: one 8 MiB all-reduce; small ones in fours, to time more than the clock
 
 
-def _seconds_per_call(fn, iters: int, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) / iters
+def _seconds_per_call(fn, calls: int, device: torch.device) -> float:
+    """The median over PROBE_ROUNDS rounds of a round's time per call: a round in which the scheduler took the
+    core away (a loaded machine) moves the mean, not the median."""
+    rounds = []
+    for _ in range(PROBE_ROUNDS):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        rounds.append((time.perf_counter() - t0) / calls)
+    return statistics.median(rounds)
 
 
 def probe_link(group, ranks: int, device: torch.device) -> tuple[float, float]:
@@ -108,8 +115,8 @@ def probe_link(group, ranks: int, device: torch.device) -> tuple[float, float]:
         dist.all_reduce(small, group=group)
     times = torch.tensor(
         [
-            _seconds_per_call(lambda: dist.all_reduce(big, group=group), PROBE_ITERS, device),
-            _seconds_per_call(lambda: dist.all_reduce(small, group=group), LATENCY_ITERS, device),
+            _seconds_per_call(lambda: dist.all_reduce(big, group=group), PROBE_CALLS, device),
+            _seconds_per_call(lambda: dist.all_reduce(small, group=group), LATENCY_CALLS, device),
         ],
         dtype=torch.float64,
         device=device,
