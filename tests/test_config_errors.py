@@ -34,6 +34,23 @@ CASES = {
         ["--pp", "2", "--training.microbatches=1"],
         ["training.microbatches=1", "--training.microbatches=2"],
     ),
+    "interleaved micro-batches not in rounds of pp": (
+        [
+            "--pp",
+            "2",
+            "--parallel.pp_schedule=Interleaved1F1B",
+            "--parallel.pp_virtual_stages=2",
+            "--training.microbatches=5",
+            "--training.global_batch_size=10",
+        ],
+        ["training.microbatches=5", "rounds of equal size", "choose one of [2, 10]"],
+    ),  # fmt: skip
+    "context parallelism, planned only": (["--parallel.cp=2"], ["parallel.cp=2", "does not run context parallelism", "--parallel.cp=1"]),
+    "zero1, planned only": (["--parallel.dp_mode=zero1"], ["parallel.dp_mode=zero1", "set --parallel.dp_mode=zero2"]),
+    "tied embedding under a pipeline, planned only": (
+        ["--pp", "2", "--training.microbatches=2", "--model.tie_embeddings=true"],
+        ["model.tie_embeddings=true", "keel plan models it", "--model.tie_embeddings=false"],
+    ),
     "global batch does not divide": (["--dp", "2", "--training.global_batch_size=6"], ["training.global_batch_size=6", "multiple of 4"]),
     "virtual stages without interleaving": (
         ["--pp", "2", "--parallel.pp_virtual_stages=2"],

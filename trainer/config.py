@@ -29,7 +29,7 @@ from keel.trainer.model_args import MODEL_PRESETS, model_args
 
 # The choices of the enum-like settings, here only: the parser (_coerce) rejects any other value.
 PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]  # torch.distributed.pipelining's schedule names
-DataParallelMode = Literal["zero3", "zero2", "replicate"]
+DataParallelMode = Literal["zero3", "zero2", "zero1", "replicate"]
 TrainingDtype = Literal["auto", "fp32", "bf16"]
 ActivationCheckpointing = Literal["none", "selective", "full"]  # per block: see keel.trainer.parallel.activation_checkpoint
 RankRows = Literal["sampled", "every_step"]  # which steps keep a row per rank in the run store
@@ -191,6 +191,9 @@ class ParallelConfig:
     pp_schedule: PipelineSchedule = "1F1B"  # the pipeline schedule, under pp > 1
     pp_virtual_stages: int = 1  # v stages per pp rank; more than 1 only with Interleaved1F1B
     dp_mode: DataParallelMode = "zero3"  # zero3 | zero2: FSDP2 (ZeRO-3 | ZeRO-2); replicate: gradients all-reduced
+    # zero1 (the optimizer state sharded alone: Megatron's distributed optimizer, DeepSpeed's stage 1) and cp > 1
+    # (each sequence split over cp ranks, ring attention) are planned by `keel plan`, not run by keel train yet.
+    cp: int = 1
     # Both are ignored at tp 1, so a job resumed on fewer ranks keeps its config.
     sequence_parallel: bool = False  # tp > 1: norms and residual stream split by sequence over the tp ranks (Korthikanti et al. 2022)
     loss_parallel: bool = False  # tp > 1: the loss on each rank's vocabulary columns, logits never gathered (TorchTitan's loss parallel)
@@ -201,7 +204,7 @@ class ParallelConfig:
         return self.pp * self.pp_virtual_stages
 
     def validate(self) -> None:
-        for name in ("pp", "dp", "tp", "pp_virtual_stages"):
+        for name in ("pp", "dp", "tp", "cp", "pp_virtual_stages"):
             at_least(f"parallel.{name}", getattr(self, name), 1)
         if self.pp_virtual_stages > 1 and self.pp_schedule != "Interleaved1F1B":
             raise ConfigError(
@@ -366,7 +369,7 @@ class JobConfig:
 
     @property
     def world_size(self) -> int:
-        return self.parallel.pp * self.parallel.dp * self.parallel.tp
+        return self.parallel.pp * self.parallel.dp * self.parallel.cp * self.parallel.tp
 
     @property
     def microbatch_rows(self) -> int:
@@ -507,6 +510,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             section.validate()
         except ValueError as e:  # the spike, straggler and fault-spec checks live outside keel.trainer: plain ValueError
             raise ConfigError(str(e)) from None
+    validate_runnable(cfg)
     par = cfg.parallel
     if world_size is not None and world_size != cfg.world_size:
         raise ConfigError(
@@ -526,10 +530,30 @@ def _validate_eval_data(cfg: JobConfig) -> None:
 
 
 def validate_layout(cfg: JobConfig) -> None:
-    """The model and the batch must split over cfg's layout: what keel train checks, and what the planner
-    keeps its candidates to."""
+    """The model and the batch must split over cfg's layout: what the planner keeps its candidates to, and
+    keel train checks with validate_runnable."""
     _validate_model_split(cfg)
     _validate_batch_split(cfg)
+
+
+def validate_runnable(cfg: JobConfig) -> None:
+    """What the planner models and keel train does not run yet."""
+    par, args = cfg.parallel, model_args(cfg)
+    if par.cp > 1:
+        raise ConfigError(
+            f"parallel.cp={par.cp}: keel train does not run context parallelism yet (keel plan models it); set --parallel.cp=1"
+        )
+    if par.dp_mode == "zero1":
+        raise ConfigError(
+            "parallel.dp_mode=zero1: keel train's FSDP2 has no optimizer-only sharding (keel plan models it); "
+            "set --parallel.dp_mode=zero2, which shards the gradients too for the same traffic"
+        )
+    if args.tie_embeddings and par.n_stages > 1:
+        raise ConfigError(
+            f"model.tie_embeddings=true shares one matrix between the embedding (first pipeline stage) and the head (last), "
+            f"but pp*pp_virtual_stages={par.pp}*{par.pp_virtual_stages}={par.n_stages} puts them on different stages, which "
+            f"keel train does not run yet (keel plan models it); set --pp 1 --parallel.pp_virtual_stages=1, or --model.tie_embeddings=false"
+        )
 
 
 def _validate_model_split(cfg: JobConfig) -> None:
@@ -559,21 +583,28 @@ def _validate_model_split(cfg: JobConfig) -> None:
             f"parallel.sequence_parallel=true splits data.seq_len={cfg.data.seq_len} over tp={par.tp} ranks; "
             f"choose a seq_len divisible by {par.tp}, or set --parallel.sequence_parallel=false"
         )
-    if args.tie_embeddings and par.n_stages > 1:
+    if par.cp > 1 and cfg.data.seq_len % (2 * par.cp):
         raise ConfigError(
-            f"model.tie_embeddings=true shares one matrix between the embedding (first pipeline stage) and the head (last), "
-            f"but pp*pp_virtual_stages={par.pp}*{par.pp_virtual_stages}={par.n_stages} puts them on different stages; "
-            f"set --pp 1 --parallel.pp_virtual_stages=1, or --model.tie_embeddings=false"
+            f"parallel.cp={par.cp} splits data.seq_len={cfg.data.seq_len} into 2*cp load-balanced chunks; "
+            f"choose a seq_len divisible by {2 * par.cp}"
         )
 
 
 def _validate_batch_split(cfg: JobConfig) -> None:
     """The global batch must split over dp ranks and micro-batches, and the micro-batches fill the pipeline."""
     par, tr = cfg.parallel, cfg.training
-    if par.pp > 1 and tr.microbatches < par.n_stages:
+    m = tr.microbatches
+    if par.pp > 1 and par.pp_schedule == "1F1B" and m < par.pp:
         raise ConfigError(
-            f"training.microbatches={tr.microbatches} is fewer than the {par.n_stages} pipeline stages; "
-            f"set --training.microbatches={par.n_stages} or more"
+            f"training.microbatches={m} is fewer than the {par.pp} pipeline stages of 1F1B; set --training.microbatches={par.pp} or more"
+        )
+    rounds = max(1, m // par.pp)  # torch's Interleaved1F1B runs the micro-batches in rounds of equal size
+    if par.pp > 1 and par.pp_schedule == "Interleaved1F1B" and m % rounds:
+        per_rank = tr.global_batch_size // par.dp
+        fits = [k for k in divisors(per_rank) if k >= par.pp and k % max(1, k // par.pp) == 0]
+        raise ConfigError(
+            f"training.microbatches={m}: Interleaved1F1B over pp={par.pp} runs micro-batches in rounds of equal size ({rounds} rounds "
+            f"do not divide {m}); choose one of {fits}"
         )
     if tr.global_batch_size % (par.dp * tr.microbatches):
         raise ConfigError(
