@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     elif command == "plan" and "--check" in rest:
         from keel.trainer.planning.run_plan import main as run
     elif command == "plan":
-        from keel.trainer.planning.planner import main as run
+        from keel.trainer.planning.plan_command import main as run
     elif command == "prepare-data":
         from keel.trainer.data.prepare import main as run
     elif command == "verify-data":

@@ -51,7 +51,7 @@ def test_counts_are_read_as_people_write_them(text, value):
 def test_gpu_kinds_are_read_as_people_write_them():
     assert peak_flops("h100-sxm", None) == ("H100 SXM", 989e12)
     assert peak_flops("A100", None) == ("A100", 312e12)
-    assert peak_flops("V100", 125.0) == ("V100", 125e12)  # --peak-tflops for a kind not in the table
+    assert peak_flops("T4", 65.0) == ("T4", 65e12)  # --peak-tflops for a kind not in the table
 
 
 @pytest.mark.parametrize(
@@ -60,7 +60,7 @@ def test_gpu_kinds_are_read_as_people_write_them():
         (["--params", "0", "--tokens", "1T", "--gpu", "H100"], "--params '0': must be more than 0"),
         (["--params", "7B", "--tokens=-1T", "--gpu", "H100"], "--tokens '-1T': must be more than 0"),
         (["--params", "seven", "--tokens", "1T", "--gpu", "H100"], "--params 'seven': not a count; write it as 70B"),
-        (["--params", "7B", "--tokens", "1T", "--gpu", "V100"], "--gpu 'V100': unknown; known kinds: H200, H100 SXM"),
+        (["--params", "7B", "--tokens", "1T", "--gpu", "T4"], "--gpu 'T4': unknown; known kinds: H200, H100 SXM"),
         (["--params", "7B", "--tokens", "1T"], "--gpu is required (or --peak-tflops)"),
         (["--params", "7B", "--tokens", "1T", "--gpu", "H100", "--mfu", "45"], "--mfu 45: must be in (0, 1]"),
         (["--params", "7B", "--tokens", "1T", "--gpu", "H100", "--mfu", "0"], "--mfu 0: must be in (0, 1]"),
@@ -77,12 +77,21 @@ def test_bad_input_is_one_line_naming_the_flag(args, error):
 
 
 def test_the_command_prints_the_estimate_and_its_json():
-    args = ["--params", "70B", "--tokens", "15T", "--gpu", "H100", "--gpus", "8192", "--price-per-gpu-hour", "3"]
+    args = ["--params", "70B", "--tokens", "15T", "--gpu", "H100", "--gpus", "8192", "--price-per-gpu-hour", "3", "--mfu", "0.45",
+            "--goodput", "1"]  # fmt: skip
     text = keel("estimate", *args)
     assert text.returncode == 0, text.stderr
     assert "GPU-hours 3,932,142" in text.stdout and "20 days on 8,192 GPUs" in text.stdout and "$11,796,427" in text.stdout
     result = json.loads(keel("estimate", *args, "--json").stdout)
     assert result["gpu"] == "H100" and result["gpu_hours"] == pytest.approx(3.932e6, rel=1e-3)
+
+
+def test_by_default_the_mfu_is_calibrated_and_the_goodput_counted_and_both_are_said():
+    text = keel("estimate", "--params", "70B", "--tokens", "15T", "--gpu", "H100").stdout
+    assert "MFU: the H100 curve at Megatron-Core GPT 32B" in text and "goodput   90% of the wall-clock time trains" in text
+    default, explicit = (json.loads(keel("estimate", "--params", "70B", "--tokens", "15T", "--gpu", "H100", *more, "--json").stdout)
+                         for more in ((), ("--goodput", "1")))  # fmt: skip
+    assert default["gpu_hours"] == pytest.approx(explicit["gpu_hours"] / 0.9)
 
 
 def test_the_estimate_refuses_what_the_command_line_refuses():

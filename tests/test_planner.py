@@ -13,7 +13,8 @@ from conftest import keel
 from keel.trainer.config import load_config
 from keel.trainer.model_args import ModelArgs, count_params, model_args, padded_vocab_size
 from keel.trainer.planning.memory_model import busiest_rank_state_bytes, korthikanti_activation_bytes, rank_model_states
-from keel.trainer.planning.planner import Hardware, candidates, plan, rank, shape_for_params
+from keel.trainer.planning.plan_command import shape_for_params
+from keel.trainer.planning.planner import Hardware, candidates, plan, rank
 
 H100_NODES = dict(gpu="H100", peak_flops=989e12, memory_bytes=80 * 2**30, gpus_per_node=8, intra_node_bytes_per_s=360e9,
                   inter_node_bytes_per_s=40e9)  # fmt: skip
@@ -123,7 +124,7 @@ def test_seventy_billion_does_not_fit_on_one_node():
     smallest count that fits."""
     proc = keel("plan", "--config", "70b", "--gpus", "8", "--gpu", "H100")
     assert proc.returncode == 0, proc.stderr
-    assert "816 layouts, 0 fit" in proc.stdout
+    assert "1,560 layouts, 0 fit" in proc.stdout
     smallest = int(proc.stdout.split("the smallest that fits is ")[1].split(" GPUs")[0].replace(",", ""))
     assert 16 <= smallest and smallest % 8 == 0
     fit = json.loads(keel("plan", "--config", "70b", "--gpus", str(smallest), "--gpu", "H100", "--json").stdout)
@@ -148,8 +149,11 @@ def test_the_command_explains_its_pick():
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("80 layers x 8192 (70.6B parameters) on 64 H100")
-    assert len(lines) == 1 + 1 + 3 + 1 and "is the fastest layout that fits" in lines[-1]
-    assert lines[-1].startswith(lines[2].split()[0])  # the sentence names the first row's layout
+    assert lines[1].startswith("assumed: gpu H100: 989 TFLOP/s") and "compute efficiency" in lines[1]  # nothing assumed unseen
+    rows = lines[3:6]
+    footnote = [line for line in lines[6:-1] if line.startswith("* planned only")]
+    assert len(lines) == 3 + len(rows) + len(footnote) + 1 and "is the fastest layout that fits" in lines[-1]
+    assert lines[-1].startswith(" ".join(rows[0].split()[:6]).rstrip("*"))  # the sentence names the first row's layout
 
 
 @pytest.mark.parametrize(
@@ -159,7 +163,7 @@ def test_the_command_explains_its_pick():
         (["--config", "70b", "--gpus", "8", "--gpu", "H100", "--seq-len=-5"], "--seq-len -5: must be at least 1"),
         (["--layers", "0", "--dim", "512", "--heads", "8", "--gpus", "8", "--gpu", "H100"], "--layers 0: must be at least 1"),
         (["--params", "0", "--gpus", "8", "--gpu", "H100"], "--params '0': must be more than 0"),
-        (["--config", "70b", "--gpus", "8", "--gpu", "V100"], "--gpu 'V100': unknown; known kinds: H200"),
+        (["--config", "70b", "--gpus", "8", "--gpu", "T4"], "--gpu 'T4': unknown; known kinds: H200"),
         (["--config", "70b", "--params", "7B", "--gpus", "8", "--gpu", "H100"], "give the model once"),
         (["--layers", "8", "--gpus", "8", "--gpu", "H100"], "--layers needs --dim and --heads too"),
         (

@@ -1,6 +1,6 @@
 """`keel estimate`: what a training job costs before it starts, from the compute it needs.
 
-    GPU-seconds = 6 · N · T / (peak FLOP/s per GPU × MFU)
+    GPU-seconds = 6 · N · T / (peak FLOP/s per GPU × MFU × goodput)
 
 N parameters trained on T tokens take about 6·N·T floating-point operations: 2·N per token forward (a
 multiply and an add per weight) and 4·N backward (the gradients of the activations and of the weights),
@@ -9,7 +9,10 @@ Hoffmann et al. 2022 (Chinchilla). It leaves out attention's score and value pro
 d_model · seq_len per token, a few percent at 8k context for a 70B model) and any recomputation: MFU
 counts only this useful work, so activation checkpointing shows up as a lower MFU, not as more FLOPs.
 The peak is the GPU's dense bf16 tensor-core figure (keel.trainer.planning.gpus); MFU is the fraction of it a
-job achieves (40-55% is good for large dense models: MegaScale reports 55% at 12,288 GPUs).
+job achieves while it trains (40-55% is good for large dense models: MegaScale reports 55% at 12,288 GPUs),
+by default the compute efficiency calibrated for the GPU and the model's size (keel.trainer.planning.
+efficiency). Goodput is the share of the wall-clock time that trains: failures, restarts, checkpoints and
+evaluation take the rest (DEFAULT_GOODPUT).
 
     keel estimate --params 70B --tokens 15T --gpu H100 --gpus 8192 --price-per-gpu-hour 3
 """
@@ -23,8 +26,13 @@ import sys
 from dataclasses import asdict, dataclass
 
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
+from keel.trainer.planning.efficiency import calibrated_efficiency
 from keel.trainer.planning.gpus import GPUS, gpu_kind, unknown_gpu
 
+# Llama 3 405B trained for more than 90% of its wall-clock time through 466 interruptions in a 54-day
+# snapshot on 16,384 H100s ("The Llama 3 Herd of Models", 2024, section 3.3.4); MegaScale also reports
+# more than 90% effective training time at 10,000+ GPUs (Jiang et al. 2024).
+DEFAULT_GOODPUT = 0.9
 _SUFFIXES = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
 
@@ -40,6 +48,8 @@ class Estimate:
     gpu: str
     peak_flops: float  # per GPU, dense bf16
     mfu: float
+    mfu_source: str
+    goodput: float
     gpu_hours: float
     gpus: int
     wall_days: float  # on `gpus` GPUs, at that MFU throughout
@@ -72,17 +82,44 @@ def peak_flops(gpu: str | None, peak_tflops: float | None) -> tuple[str, float]:
     return kind, GPUS[kind].peak_bf16_flops
 
 
-def estimate(params: float, tokens: float, gpu: str, peak: float, mfu: float, gpus: int, price: float | None) -> Estimate:
+def estimate(
+    params: float,
+    tokens: float,
+    gpu: str,
+    peak: float,
+    mfu: float,
+    gpus: int,
+    price: float | None,
+    goodput: float = 1.0,
+    mfu_source: str = "--mfu",
+) -> Estimate:
     if not 0 < mfu <= 1:
-        raise EstimateError(f"--mfu {mfu:g}: must be in (0, 1], a fraction of the peak (0.45 is 45%)")
+        raise EstimateError(
+            f"--mfu {mfu:g}: must be in (0, 1], a fraction of the peak (0.45 is 45%); for a TFLOP/s a GPU figure give --tflops-per-gpu"
+        )
+    if not 0 < goodput <= 1:
+        raise EstimateError(f"--goodput {goodput:g}: must be in (0, 1], the share of the wall-clock time that trains (0.9 is 90%)")
     if gpus < 1:
         raise EstimateError(f"--gpus {gpus}: must be at least 1")
     if price is not None and price < 0:
         raise EstimateError(f"--price-per-gpu-hour {price:g}: must be 0 or more")
     flops = 6 * params * tokens
-    gpu_hours = flops / (peak * mfu) / 3600
+    gpu_hours = flops / (peak * mfu * goodput) / 3600
     cost = None if price is None else gpu_hours * price
-    return Estimate(params, tokens, flops, gpu, peak, mfu, gpu_hours, gpus, gpu_hours / gpus / 24, price, cost)
+    return Estimate(params, tokens, flops, gpu, peak, mfu, mfu_source, goodput, gpu_hours, gpus, gpu_hours / gpus / 24, price, cost)
+
+
+def chosen_mfu(kind: str | None, peak: float, params: float, mfu: float | None, tflops: float | None) -> tuple[float, str]:
+    """(MFU, where it came from): --mfu, --tflops-per-gpu over the peak, or the calibrated efficiency."""
+    if mfu is not None and tflops is not None:
+        raise EstimateError("--mfu and --tflops-per-gpu say the same thing; give one")
+    if tflops is not None:
+        if not 0 < tflops * 1e12 <= peak:
+            raise EstimateError(f"--tflops-per-gpu {tflops:g}: must be more than 0 and at most the peak, {peak / 1e12:,.0f} TFLOP/s")
+        return tflops * 1e12 / peak, f"--tflops-per-gpu {tflops:g}"
+    if mfu is not None:
+        return mfu, "--mfu"
+    return calibrated_efficiency(kind, params)
 
 
 def _si(value: float) -> str:
@@ -100,7 +137,9 @@ def _amount(value: float) -> str:
 def render(e: Estimate) -> str:
     lines = [
         f"compute   6 x {_si(e.params)} parameters x {_si(e.tokens)} tokens = {e.flops:.3g} FLOPs",
-        f"per GPU   {e.gpu}: {e.peak_flops / 1e12:,.0f} TFLOPS dense bf16 x MFU {e.mfu:.0%} = {e.peak_flops * e.mfu / 1e12:,.0f} TFLOPS",
+        f"per GPU   {e.gpu}: {e.peak_flops / 1e12:,.0f} TFLOPS dense bf16 x MFU {e.mfu:.0%} = {e.peak_flops * e.mfu / 1e12:,.0f} TFLOPS"
+        f" (MFU: {e.mfu_source})",
+        f"goodput   {e.goodput:.0%} of the wall-clock time trains" + (" (Llama 3's, --goodput)" if e.goodput == DEFAULT_GOODPUT else ""),
         f"GPU-hours {_amount(e.gpu_hours)} ({_amount(e.gpu_hours / 8766)} GPU-years)",
         f"wall      {_amount(e.wall_days)} days on {e.gpus:,} GPU{'s' if e.gpus > 1 else ''}",
     ]
@@ -116,14 +155,19 @@ def main(argv: list[str]) -> int:
     p.add_argument("--gpu", help=f"GPU kind: {', '.join(GPUS)}")
     p.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, for a kind not in the table")
     p.add_argument("--gpus", type=int, default=1, help="GPUs the job runs on, for the wall-clock days (default 1)")
-    p.add_argument("--mfu", type=float, default=0.45, help="model FLOPs utilization, a fraction (default 0.45)")
+    p.add_argument("--mfu", type=float, help="model FLOPs utilization while training, a fraction (default: calibrated per GPU and size)")
+    p.add_argument("--tflops-per-gpu", type=float, help="or the model TFLOP/s a GPU reaches, as published runs quote it")
+    p.add_argument(
+        "--goodput", type=float, default=DEFAULT_GOODPUT, help=f"share of the wall-clock time that trains (default {DEFAULT_GOODPUT})"
+    )
     p.add_argument("--price-per-gpu-hour", type=float, help="dollars per GPU-hour, for the cost")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     opts = p.parse_args(argv)
     try:
         params, tokens = parse_count("--params", opts.params), parse_count("--tokens", opts.tokens)
         gpu, peak = peak_flops(opts.gpu, opts.peak_tflops)
-        result = estimate(params, tokens, gpu, peak, opts.mfu, opts.gpus, opts.price_per_gpu_hour)
+        mfu, source = chosen_mfu(gpu_kind(gpu), peak, params, opts.mfu, opts.tflops_per_gpu)
+        result = estimate(params, tokens, gpu, peak, mfu, opts.gpus, opts.price_per_gpu_hour, opts.goodput, source)
     except EstimateError as e:
         print(f"keel estimate: error: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -77,15 +77,17 @@ def rank_model_states(
     args: ModelArgs, pp: int, dp: int, tp: int, pp_rank: int, dp_rank: int, virtual_stages: int = 1, dp_mode: str = "zero3"
 ) -> ModelStates:
     """The model states of the rank at (pp_rank, dp_rank) of a pp x dp x tp layout (every tp rank holds
-    the same amount)."""
+    the same amount). `dp` is every rank a tensor is sharded or replicated over: dp·cp under context
+    parallelism, whose ranks hold the same weights. zero1 shards the optimizer state alone."""
     n_stages = pp * virtual_stages
-    layers, params = 0, 0
+    layers, whole, shard = 0, 0, 0
     for stage in (pp_rank + k * pp for k in range(virtual_stages)):
         stage_layer_count, shapes = stage_shapes(args, tp, n_stages, stage)
         layers += stage_layer_count
-        sharded = dp > 1 and dp_mode != "replicate"
-        params += sum((_chunk(rows, dp, dp_rank) if sharded else rows) * cols for rows, cols in shapes)
-    return ModelStates(layers, params, WEIGHT_BYTES * params, GRAD_BYTES * params, ADAMW_BYTES * params)
+        whole += sum(rows * cols for rows, cols in shapes)
+        shard += sum((_chunk(rows, dp, dp_rank) if dp > 1 and dp_mode != "replicate" else rows) * cols for rows, cols in shapes)
+    params = whole if dp_mode == "zero1" else shard
+    return ModelStates(layers, params, WEIGHT_BYTES * params, GRAD_BYTES * params, ADAMW_BYTES * shard)
 
 
 def busiest_rank_state_bytes(cfg: JobConfig, gathered_bytes: int = WEIGHT_BYTES) -> int:
@@ -95,14 +97,16 @@ def busiest_rank_state_bytes(cfg: JobConfig, gathered_bytes: int = WEIGHT_BYTES)
       bf16): under zero2 the whole stage, gathered from its forward to its backward; under zero3 the block
       computing, the next one prefetched and the flat all-gather buffer it arrived in, and the root unit
       (embedding, final norm, head); under a pipeline the whole stage for zero3 too, since the schedule
-      keeps it gathered from its first backward to the step's end (set_reshard_after_backward(False));
+      keeps it gathered after each backward (set_reshard_after_backward(False));
     - gradients unsharded, in fp32, when a step has several micro-batches: they accumulate unreduced until
       the last one (set_requires_gradient_sync), and the last backward begins with all of them held.
+    zero1 and replicate hold the weights whole, in fp32, and cast them per layer (one block's copy).
     (tests/test_plan_check.py holds this against the allocator's measured peak.)"""
     par, args = cfg.parallel, model_args(cfg)
-    states = [rank_model_states(args, par.pp, par.dp, par.tp, r, 0, par.pp_virtual_stages, par.dp_mode) for r in range(par.pp)]
+    shards = par.dp * par.cp
+    states = [rank_model_states(args, par.pp, shards, par.tp, r, 0, par.pp_virtual_stages, par.dp_mode) for r in range(par.pp)]
     busiest = max(states, key=lambda s: s.total_bytes)
-    if par.dp == 1 or par.dp_mode == "replicate":
+    if shards == 1 or par.dp_mode in ("replicate", "zero1"):
         return busiest.total_bytes
     whole = rank_model_states(args, par.pp, 1, par.tp, states.index(busiest), 0, par.pp_virtual_stages)
     block = sum(rows * cols for rows, cols in block_shapes(args, par.tp))
@@ -142,23 +146,33 @@ def activation_bytes(cfg: JobConfig, element_bytes: int = 4) -> int:
     per_token = {"none": (whole_layer, 0.0), "selective": (selective, whole_layer - kept_again), "full": (block_input, whole_layer)}[
         cfg.training.activation_checkpointing
     ]
-    tokens = cfg.data.seq_len * cfg.microbatch_rows
+    tokens = cfg.data.seq_len // par.cp * cfg.microbatch_rows  # context parallelism splits each sequence
     kept, recomputing = per_token[0] * tokens, per_token[1] * tokens
     layers = args.n_layers / par.pp
     # The first pipeline stage holds the most micro-batches, and each one's output until its backward, plus
-    # the gradient that arrives for it; the last stage holds one micro-batch, the final norm and the logits:
-    # the logits, their log-softmax and the gradients of both, in fp32 (the loss casts them up), 1/t of
-    # them under the loss parallel.
-    vocab = padded_vocab_size(args.vocab_size, t) / (t if par.loss_parallel else 1)
+    # the gradient that arrives for it; the last stage holds one micro-batch, the final norm and the loss's
+    # working set (logits_bytes).
     # Under tp the peak comes in the backward, at a sub-block's all-reduce of its input's gradient: beside the
     # kept activations, the gradients of the gate and the up projection, and that input gradient, summed from
     # the matmuls and copied by the collective. Without tp it comes at the backward's start (the logits').
     working = tokens * (2 * e * ffn / t + 3 * e * d) if t > 1 else 0
-    last = kept * layers + recomputing + working + tokens * (norms / 2 + 4 * FP32 * vocab)
+    last = kept * layers + recomputing + working + tokens * (norms / 2 + logits_bytes(cfg, e))
     if par.pp == 1:
         return int(last)
-    first = kept * layers * _in_flight(cfg) + recomputing + working + tokens * e * d / u * (_in_flight(cfg) + 1)
+    chunks = _in_flight_chunks(cfg)
+    first = kept * layers / par.pp_virtual_stages * chunks + recomputing + working + tokens * e * d / u * (chunks + 1)
     return int(max(first, last))
+
+
+def logits_bytes(cfg: JobConfig, element_bytes: int) -> float:
+    """Bytes a token of the loss holds at its peak, the start of its backward: the log-softmax kept from the
+    forward, its gradient and the logits' gradient, in fp32 (the loss casts the logits up), and under a
+    pipeline the logits themselves in the training dtype, which the stage keeps as its output (measured
+    with torch's profiler: 12 and 14 bytes a bf16 logit; 12 and 16 in fp32). 1/tp of the vocabulary under
+    the loss parallel."""
+    par, args = cfg.parallel, model_args(cfg)
+    vocab = padded_vocab_size(args.vocab_size, par.tp) / (par.tp if par.loss_parallel else 1)
+    return vocab * (3 * FP32 + (element_bytes if par.pp > 1 else 0))
 
 
 def korthikanti_activation_bytes(cfg: JobConfig, element_bytes: int = 2) -> int:
@@ -180,11 +194,21 @@ def korthikanti_activation_bytes(cfg: JobConfig, element_bytes: int = 2) -> int:
     # The paper leaves the head out: the logits and their gradient in fp32, 1/t of them under the loss parallel.
     logits = 2 * FP32 * s * b * padded_vocab_size(args.vocab_size, t) / (t if par.loss_parallel else 1)
     recomputing = whole_layer if tr.activation_checkpointing == "full" else 0
-    return int(kept_per_layer[tr.activation_checkpointing] * args.n_layers / par.pp * _in_flight(cfg) + recomputing + logits)
+    stages = args.n_layers / par.pp / par.pp_virtual_stages  # layers of one of a rank's stages
+    return int((kept_per_layer[tr.activation_checkpointing] * stages * _in_flight_chunks(cfg) + recomputing + logits) / par.cp)
 
 
-def _in_flight(cfg: JobConfig) -> int:
-    """Micro-batches whose activations a pipeline's first stage holds at once: min(micro-batches, pp) under
-    1F1B (interleaved counted alike), all of them under GPipe; one without a pipeline."""
-    par, m = cfg.parallel, cfg.training.microbatches
-    return 1 if par.pp == 1 else m if par.pp_schedule == "GPipe" else min(m, par.pp)
+def _in_flight_chunks(cfg: JobConfig) -> int:
+    """(micro-batch, stage) pairs whose activations the first pipeline rank holds at once, each a stage of
+    layers/(pp·v) layers: all m under GPipe; min(m, pp) under 1F1B; under Interleaved1F1B the forwards torch
+    runs before the first backward ((v−1) rounds of micro-batches, and two for each rank after the first)
+    and the one in flight, at most m·v (torch's _get_warmup_ops; Narayanan et al. 2021, section 2.2.2)."""
+    par, m, v = cfg.parallel, cfg.training.microbatches, cfg.parallel.pp_virtual_stages
+    if par.pp == 1:
+        return 1
+    if par.pp_schedule == "GPipe":
+        return m
+    if par.pp_schedule == "1F1B":
+        return min(m, par.pp)
+    per_round = m // max(1, m // par.pp)
+    return min(m * v, (v - 1) * per_round + 2 * (par.pp - 1) + 1)
