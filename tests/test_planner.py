@@ -12,7 +12,13 @@ from conftest import keel
 
 from keel.trainer.config import load_config
 from keel.trainer.model_args import ModelArgs, count_params, model_args, padded_vocab_size
-from keel.trainer.planning.memory_model import busiest_rank_state_bytes, korthikanti_activation_bytes, rank_model_states
+from keel.trainer.planning.memory_model import (
+    activation_bytes,
+    busiest_rank_state_bytes,
+    korthikanti_activation_bytes,
+    logits_bytes,
+    rank_model_states,
+)
 from keel.trainer.planning.plan_command import shape_for_params
 from keel.trainer.planning.planner import Hardware, candidates, plan, rank
 
@@ -174,6 +180,22 @@ def test_the_command_explains_its_pick():
         # batch of 1,024 over no dp of 7: no layout of 7 GPUs.
         (["--layers", "4", "--dim", "896", "--heads", "7", "--gpus", "7", "--gpu", "H100", "--gpus-per-node", "4"], "--gpus 7: no layout"),
         (["--config", "70b", "--gpus", "8", "--gpu", "H100", "--compute-efficiency", "2"], "--compute-efficiency 2: must be in (0, 1]"),
+        (
+            ["--config", "70b", "--gpus", "8", "--gpu", "H100", "--compute-efficiency", "45"],
+            "--compute-efficiency 45: must be in (0, 1], a fraction of the peak, not TFLOP/s; for 45% write 0.45",
+        ),
+        (["--params", "0.5", "--gpus", "8", "--gpu", "H100"], "--params 0.5: 0.5 parameters is no model to plan GPUs for; write 0.5B"),
+        (["--config", "70b", "--gpus", "8", "--peak-tflops", "-5", "--memory-gib", "80"], "--peak-tflops -5: must be more than 0"),
+        (["--config", "70b", "--gpus", "8", "--peak-tflops", "100"], "--gpu is required, or both --peak-tflops and --memory-gib"),
+        (
+            ["--config", "70b", "--gpu", "H100", "--layout", "pp2,dp4,tp8,bogus"],
+            "--layout 'pp2,dp4,tp8,bogus': 'bogus' is not a layout word",
+        ),
+        (["--config", "70b", "--gpu", "H100", "--layout", "pp2,dp4"], "--layout 'pp2,dp4': give tp too"),
+        (
+            ["--config", "70b", "--gpu", "H100", "--layout", "pp2,dp4,tp8", "--gpus", "32"],
+            "--layout 'pp2,dp4,tp8' takes 64 GPUs but --gpus is 32",
+        ),
     ],
 )
 def test_bad_input_is_one_line_naming_the_flag(args, error):
@@ -207,3 +229,103 @@ def test_data_parallel_traffic_follows_fsdp2s_gathers_and_each_collective_pays_t
 def _small(**layout):
     cfg = load_config("small", {"data.seq_len": 256, "training.global_batch_size": 8, "training.microbatches": 4})
     return replace(cfg, parallel=replace(cfg.parallel, **layout))
+
+
+LLAMA3_405B = ["--config", "405b", "--gpu", "H100", "--seq-len", "8192", "--global-batch", "2048"]
+
+
+def test_a_named_layout_is_scored_and_told_why_it_does_not_fit():
+    """Llama 3 405B's split with 16 micro-batches and two stages a rank: accepted, scored, and without
+    recomputation over by the activations, named with the GiB; with full recomputation it fits."""
+    layout = "pp16,v2,dp128,tp8,m16,zero1,sp"
+    over = json.loads(keel("plan", *LLAMA3_405B, "--layout", layout + ",ac=selective", "--json").stdout)
+    assert over["gpus"] == 16384 and not over["fits"] and not over["plan"]["runs_in_keel"]  # zero1: planned only
+    assert "over by" in over["verdict"] and over["verdict"].endswith("the largest is the activations")
+    assert over["plan"]["label"] == "pp16 v2 dp128 zero1 tp8 sp m16 ac=selective"
+    fits = json.loads(keel("plan", *LLAMA3_405B, "--layout", layout + ",ac=full", "--json").stdout)
+    assert fits["fits"] and fits["verdict"] == "fits"
+    assert fits["plan"]["tokens_per_s_per_gpu"] == pytest.approx(fits["plan"]["tokens_per_s"] / 16384)
+    text = keel("plan", *LLAMA3_405B, "--layout", layout + ",ac=full").stdout
+    assert text.startswith("assumed: gpu H100") and "on 16,384 H100: fits; keel train does not run this layout yet" in text
+
+
+def test_every_answer_states_its_assumptions_and_an_unlisted_gpu_can_be_planned():
+    a100 = json.loads(keel("plan", "--config", "70b", "--gpus", "64", "--gpu", "A100", "--json").stdout)["assumptions"]
+    assert a100["intra_node"] == "240 GB/s bus bandwidth (NVLink 3 at 80%)"  # not NVLink 4's 360
+    assert a100["inter_node"].startswith("20 GB/s a GPU (200 Gb/s InfiniBand HDR")
+    assert a100["usable_memory"].startswith("90% of it") and "calibrated" not in a100["activations"]
+    assert "the A100 curve at BLOOM 176B" in a100["compute_efficiency"]
+    b200 = json.loads(keel("plan", "--config", "70b", "--gpus", "64", "--gpu", "B200", "--json").stdout)["assumptions"]
+    assert b200["gpu"].startswith("B200: 2,250 TFLOP/s dense bf16, 180 GiB") and "no published run on B200" in b200["compute_efficiency"]
+    custom = keel("plan", "--params", "30B", "--gpus", "64", "--peak-tflops", "125", "--memory-gib", "32", "--intra-node-gbps", "120",
+                  "--inter-node-gbps", "10", "--json")  # fmt: skip
+    assert custom.returncode == 0, custom.stderr
+    out = json.loads(custom.stdout)
+    assert out["gpu"] == "custom" and out["assumptions"]["gpu"] == "custom: 125 TFLOP/s dense bf16, 32 GiB (--peak-tflops/--memory-gib)"
+    assert all(p["memory_bytes"]["total"] <= 0.9 * 32 * 2**30 for p in out["fitting"])
+
+
+def test_zero1_shards_the_optimizer_alone():
+    """Megatron's distributed optimizer, DeepSpeed's stage 1: weights and gradients whole on every dp rank,
+    AdamW's two moments sharded; its traffic a reduce-scatter of fp32 gradients and an all-gather of the weights."""
+    args = model_args(_cfg({}))
+    whole = rank_model_states(args, 1, 1, 8, 0, 0)
+    zero1 = rank_model_states(args, 1, 4, 8, 0, 0, dp_mode="zero1")
+    zero2 = rank_model_states(args, 1, 4, 8, 0, 0, dp_mode="zero2")
+    assert zero1.params == whole.params and zero1.param_bytes == whole.param_bytes and zero1.grad_bytes == whole.grad_bytes
+    assert zero1.optimizer_bytes == zero2.optimizer_bytes == pytest.approx(whole.optimizer_bytes / 4, rel=1e-3)
+    hw = Hardware(gpus=32, **H100_NODES)
+    p = plan(_cfg({}, pp=1, dp=4, tp=8, dp_mode="zero1", sequence_parallel=True), hw)
+    assert p.comm_bytes["dp"] == pytest.approx(3 / 4 * whole.params * (4 + 2))
+    assert not p.runs_in_keel
+
+
+def test_context_parallelism_splits_the_activations_and_passes_kv_around_the_ring():
+    base = _cfg({"data.seq_len": 131072, "training.global_batch_size": 16})
+    hw = Hardware(gpus=128, **H100_NODES)
+    one = plan(replace(base, parallel=replace(base.parallel, pp=1, dp=4, tp=8, cp=1)), hw)  # the same sequences a rank
+    ring = plan(replace(base, parallel=replace(base.parallel, pp=1, dp=4, tp=8, cp=4)), hw)
+    args = model_args(base)
+    assert ring.activation_bytes < one.activation_bytes / 3  # a quarter of each sequence, the per-sequence terms less
+    rows = 16 // 4  # sequences a micro-batch on a dp rank
+    kv_chunk = 2 * (131072 // 4) * rows * args.dim * 2 * args.n_kv_heads / args.n_heads / 8  # K and V of a rank's chunk, bf16, a tp shard
+    assert ring.comm_bytes["cp"] == pytest.approx(3 * 3 * kv_chunk * args.n_layers)  # 3 passes, 3 other ranks, every layer
+    assert ring.comm_s["cp"] > 0 and not ring.runs_in_keel
+
+
+def test_a_tied_embedding_under_a_pipeline_all_reduces_its_gradient_between_the_ends():
+    tied = _cfg({"model.tie_embeddings": True, "training.microbatches": 16}, pp=4, dp=2, tp=8, sequence_parallel=True)
+    untied = replace(tied, model=replace(tied.model, tie_embeddings=False))
+    hw = Hardware(gpus=64, **H100_NODES)
+    args = model_args(tied)
+    extra = plan(tied, hw).comm_bytes["pp"] - plan(untied, hw).comm_bytes["pp"]
+    assert extra == pytest.approx(padded_vocab_size(args.vocab_size, 8) / 8 * args.dim * 4)
+
+
+def test_the_loss_holds_twelve_bytes_a_logit_and_fourteen_under_a_pipeline():
+    """Measured with torch's profiler on Keel's loss: the fp32 log-softmax and two fp32 gradients, and under a
+    pipeline the stage's bf16 output kept too; 1/tp of the vocabulary under the loss parallel."""
+    cfg = _cfg({})
+    vocab = padded_vocab_size(model_args(cfg).vocab_size, 1)
+    assert logits_bytes(cfg, 2) == vocab * 12
+    piped = replace(cfg, parallel=replace(cfg.parallel, pp=2))
+    assert logits_bytes(piped, 2) == vocab * 14
+    split = replace(cfg, parallel=replace(cfg.parallel, tp=8, loss_parallel=True))
+    assert logits_bytes(split, 2) == padded_vocab_size(model_args(cfg).vocab_size, 8) / 8 * 12
+
+
+def test_torchtitans_selective_checkpointing_keeps_less_than_keels():
+    cfg = _cfg({"training.activation_checkpointing": "selective", "training.microbatches": 8}, pp=1, dp=8, tp=1)
+    keel_kept, titan_kept = activation_bytes(cfg, 2), activation_bytes(cfg, 2, every_second_matmul=True)
+    args = model_args(cfg)
+    per_token_layer = 2 * (args.n_kv_heads * args.head_dim + args.ffn_dim + args.dim)  # wk, w3 and wo recomputed
+    tokens = 4096 * cfg.microbatch_rows
+    assert keel_kept - titan_kept == pytest.approx(per_token_layer * tokens * args.n_layers, rel=0.02)
+
+
+def test_tp_overlap_hides_tensor_parallel_traffic_behind_the_compute():
+    cfg = _cfg({"training.microbatches": 8}, pp=1, dp=8, tp=8, sequence_parallel=True)
+    exposed = plan(cfg, Hardware(gpus=64, **H100_NODES))
+    hidden = plan(cfg, Hardware(gpus=64, overlaps_tp=True, **H100_NODES))
+    assert exposed.comm_s["tp"] == hidden.comm_s["tp"] > 0
+    assert exposed.step_s - hidden.step_s == pytest.approx(exposed.comm_s["tp"])

@@ -119,7 +119,8 @@ def chosen_mfu(kind: str | None, peak: float, params: float, mfu: float | None, 
         return tflops * 1e12 / peak, f"--tflops-per-gpu {tflops:g}"
     if mfu is not None:
         return mfu, "--mfu"
-    return calibrated_efficiency(kind, params)
+    efficiency, source = calibrated_efficiency(kind, params)
+    return efficiency, f"{source}; with nothing waiting, so a floor on the GPU-hours: keel plan gives a layout's MFU"
 
 
 def _si(value: float) -> str:

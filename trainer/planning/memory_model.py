@@ -119,7 +119,7 @@ def busiest_rank_state_bytes(cfg: JobConfig, gathered_bytes: int = WEIGHT_BYTES)
 FP32 = 4  # bytes: what the norms compute in and the loss casts the logits to, whatever the training dtype
 
 
-def activation_bytes(cfg: JobConfig, element_bytes: int = 4) -> int:
+def activation_bytes(cfg: JobConfig, element_bytes: int = 4, every_second_matmul: bool = False) -> int:
     """Activations kept for backward on the busiest rank: the tensors autograd keeps for Keel's block
     (keel.trainer.model), counted the way Korthikanti et al. 2022 count GPT's, with `element_bytes` per
     element of the training dtype: 4 (fp32, what the CPU trains in) or 2 (bf16). Per token of a micro-batch,
@@ -132,6 +132,8 @@ def activation_bytes(cfg: JobConfig, element_bytes: int = 4) -> int:
     - SwiGLU keeps the gate, its SiLU, the up projection and their product, 4·e·ffn/t.
     `selective` checkpointing keeps the block's input, the matmuls' and attention's outputs instead, and holds
     the rest of one layer while it recomputes it; `full` keeps the block's input and recomputes a whole layer.
+    `every_second_matmul`: TorchTitan's selective (op) checkpointing, which keeps the output of every second
+    matmul of a block only (wq, wv, w1, w2; wk, wo and w3 recomputed): what torchtitan_activation_bytes counts.
     Plus the backward's working set, the pipeline's stage outputs in flight, and on the last stage the final
     norm and the logits (docs/planning.md)."""
     par, args = cfg.parallel, model_args(cfg)
@@ -141,8 +143,12 @@ def activation_bytes(cfg: JobConfig, element_bytes: int = 4) -> int:
     attention_out = e * d / t + FP32 * heads / t  # the output and its logsumexps, which selective also keeps
     whole_layer = norms + e * (d + 2 * kv) / t + attention_out + 4 * e * ffn / t
     block_input = e * d / u
-    selective = block_input + e * (d + 2 * kv + 2 * ffn) / t + attention_out + 2 * e * d  # wo, w2: partial sums, whole
-    kept_again = block_input + e * (kv + 2 * ffn) / t + attention_out  # what the recomputation finds kept already
+    if every_second_matmul:
+        selective = block_input + e * (d + kv + ffn) / t + attention_out + e * d  # w2: a partial sum, whole
+        kept_again = block_input + e * (kv + ffn) / t + attention_out
+    else:
+        selective = block_input + e * (d + 2 * kv + 2 * ffn) / t + attention_out + 2 * e * d  # wo, w2: partial sums, whole
+        kept_again = block_input + e * (kv + 2 * ffn) / t + attention_out  # what the recomputation finds kept already
     per_token = {"none": (whole_layer, 0.0), "selective": (selective, whole_layer - kept_again), "full": (block_input, whole_layer)}[
         cfg.training.activation_checkpointing
     ]
@@ -173,6 +179,11 @@ def logits_bytes(cfg: JobConfig, element_bytes: int) -> float:
     par, args = cfg.parallel, model_args(cfg)
     vocab = padded_vocab_size(args.vocab_size, par.tp) / (par.tp if par.loss_parallel else 1)
     return vocab * (3 * FP32 + (element_bytes if par.pp > 1 else 0))
+
+
+def torchtitan_activation_bytes(cfg: JobConfig, element_bytes: int = 4) -> int:
+    """activation_bytes with TorchTitan's selective (op) checkpointing: every second matmul recomputed."""
+    return activation_bytes(cfg, element_bytes, every_second_matmul=True)
 
 
 def korthikanti_activation_bytes(cfg: JobConfig, element_bytes: int = 2) -> int:

@@ -104,7 +104,7 @@ def hardware(opts, cfg: JobConfig, gpus: int) -> tuple[Hardware, dict]:
         else calibrated_efficiency(kind, count_params(model_args(cfg))[0])
     )
     name = kind or "custom"
-    hw = Hardware(name, gpus, opts.gpus_per_node, peak, memory, intra, inter, efficiency)
+    hw = Hardware(name, gpus, opts.gpus_per_node, peak, memory, intra, inter, efficiency, overlaps_tp=opts.tp_overlap)
     assumed = {
         "gpu": f"{name}: {peak / 1e12:,.0f} TFLOP/s dense bf16, {memory / 2**30:.0f} GiB"
         + (" (--peak-tflops/--memory-gib)" if kind is None or opts.peak_tflops or opts.memory_gib else " (data sheet)"),
@@ -113,6 +113,9 @@ def hardware(opts, cfg: JobConfig, gpus: int) -> tuple[Hardware, dict]:
         "inter_node": f"{inter / 1e9:,.0f} GB/s a GPU" + ("" if opts.inter_node_gbps else f" ({gpu.inter_node.name} at 80%)"),
         "compute_efficiency": f"{efficiency:.0%} of the peak where nothing waits ({source})",
         "activations": f"{opts.activations} (--activations)",
+        "tp_collectives": "overlapped with the matmuls (--tp-overlap)"
+        if opts.tp_overlap
+        else "exposed, as keel train runs them (--tp-overlap)",
     }
     return hw, assumed
 
@@ -216,7 +219,13 @@ def _parser():
         "--activations",
         choices=ACTIVATION_MODELS,
         default="keel",
-        help="keel: what Keel's block keeps (default); korthikanti: Korthikanti et al.'s GPT formulas, attention scores kept",
+        help="keel: what Keel's block keeps (default); korthikanti: Korthikanti et al.'s GPT formulas (Megatron), attention "
+        "scores kept but under selective; torchtitan: Keel's block under TorchTitan's selective op checkpointing",
+    )
+    p.add_argument(
+        "--tp-overlap",
+        action="store_true",
+        help="tp collectives overlapped with the matmuls (Megatron-Core's --tp-comm-overlap, TorchTitan's async TP); keel train does not",
     )
     p.add_argument("--top", type=int, default=10, help="layouts shown (default 10)")
     p.add_argument("--json", action="store_true")

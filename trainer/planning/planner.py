@@ -24,7 +24,13 @@ from dataclasses import dataclass, replace
 
 from keel.trainer.config import ConfigError, JobConfig, divisors, validate_layout, validate_runnable
 from keel.trainer.model_args import flops_per_token, model_args, padded_vocab_size
-from keel.trainer.planning.memory_model import activation_bytes, busiest_rank_state_bytes, korthikanti_activation_bytes, rank_model_states
+from keel.trainer.planning.memory_model import (
+    activation_bytes,
+    busiest_rank_state_bytes,
+    korthikanti_activation_bytes,
+    rank_model_states,
+    torchtitan_activation_bytes,
+)
 
 BF16 = 2  # bytes: activations, TP and PP traffic, FSDP's all-gathers (its MixedPrecisionPolicy)
 FP32 = 4  # bytes: gradients reduced in fp32
@@ -35,7 +41,11 @@ USABLE_MEMORY = 0.9  # of the GPU's memory: the rest goes to the CUDA context, N
 COMPUTE_EFFICIENCY = 0.40
 CPU = "cpu"  # Hardware.gpu of a CPU run (keel train --plan on CPU)
 ActivationModel = Callable[[JobConfig, int], int]  # (the layout, bytes an element) -> a rank's activation bytes
-ACTIVATION_MODELS: dict[str, ActivationModel] = {"keel": activation_bytes, "korthikanti": korthikanti_activation_bytes}
+ACTIVATION_MODELS: dict[str, ActivationModel] = {
+    "keel": activation_bytes,
+    "korthikanti": korthikanti_activation_bytes,
+    "torchtitan": torchtitan_activation_bytes,
+}
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,9 @@ class Hardware:
     # Whether data-parallel collectives run beside the compute (NCCL on its own stream); on CPU gloo's
     # threads take the cores the compute runs on, and the collectives are counted whole.
     overlaps_compute: bool = True
+    # Whether tp collectives run beside the matmuls they feed (Megatron-Core's --tp-comm-overlap, TorchTitan's
+    # async TP): then only what outlasts the compute is exposed. keel train's tensor parallelism does not.
+    overlaps_tp: bool = False
 
     @property
     def on_gpu(self) -> bool:
@@ -146,7 +159,8 @@ def parse_layout(text: str, base: JobConfig) -> JobConfig:
                   pp_schedule="Interleaved1F1B" if v > 1 else "1F1B", dp_mode=given.get("mode", "zero3"),
                   sequence_parallel=given.get("sp", False), loss_parallel=given.get("sp", False))  # fmt: skip
     per_rank = base.training.global_batch_size // par.dp
-    tr = replace(tr, microbatches=given.get("m", max(pp * v, 1) if pp > 1 else 1), activation_checkpointing=given.get("ac", "none"))
+    # Left out, m is one sequence a micro-batch (Megatron's and TorchTitan's usual micro-batch size).
+    tr = replace(tr, microbatches=given.get("m", max(1, per_rank)), activation_checkpointing=given.get("ac", "none"))
     cfg = replace(base, parallel=par, training=tr)
     if base.training.global_batch_size % par.dp or per_rank % tr.microbatches:
         raise ConfigError(
@@ -159,18 +173,24 @@ def parse_layout(text: str, base: JobConfig) -> JobConfig:
 
 def candidates(base: JobConfig, hw: Hardware) -> list[JobConfig]:
     """Every layout of hw.gpus GPUs that splits base's model and batch, tp inside a node."""
-    args, batch = model_args(base), base.training.global_batch_size
+    args = model_args(base)
     found = []
     for tp in (t for t in divisors(hw.gpus) if t <= hw.gpus_per_node):
         for cp in context_parallel_degrees(base.data.seq_len, hw.gpus // tp):
             for pp in (p for p in divisors(hw.gpus // (tp * cp)) if p <= args.n_layers):
-                dp = hw.gpus // (tp * cp * pp)
-                for cfg in _variants(base, pp, dp, cp, tp, batch):
-                    try:
-                        validate_layout(cfg)
-                    except ConfigError:
-                        continue
-                    found.append(cfg)
+                found += split_layouts(base, pp, hw.gpus // (tp * cp * pp), cp, tp)
+    return found
+
+
+def split_layouts(base: JobConfig, pp: int, dp: int, cp: int, tp: int) -> list[JobConfig]:
+    """The layouts of one pp x dp x cp x tp split that keel's rules accept (config.validate_layout)."""
+    found = []
+    for cfg in _variants(base, pp, dp, cp, tp, base.training.global_batch_size):
+        try:
+            validate_layout(cfg)
+        except ConfigError:
+            continue
+        found.append(cfg)
     return found
 
 
@@ -233,7 +253,8 @@ def plan(cfg: JobConfig, hw: Hardware, activations: ActivationModel = activation
     # Ring attention passes each K and V chunk while attention computes on the one before (on GPUs).
     attention_s = compute_s * 12 * args.n_layers * args.dim * cfg.data.seq_len / flops_per_token(args, cfg.data.seq_len)
     exposed_cp = max(0.0, comm_s["cp"] - attention_s) if hw.overlaps_compute else comm_s["cp"]
-    busy = (compute_s + comm_s["tp"] + exposed_cp) / (1 - bubble)  # the pipeline's idle slots stretch compute, tp and cp alike
+    exposed_tp = max(0.0, comm_s["tp"] - compute_s) if hw.overlaps_tp else comm_s["tp"]
+    busy = (compute_s + exposed_tp + exposed_cp) / (1 - bubble)  # the pipeline's idle slots stretch compute, tp and cp alike
     exposed_dp = max(0.0, comm_s["dp"] - compute_s) if hw.overlaps_compute else comm_s["dp"]  # FSDP overlaps on GPUs
     step_s = busy + exposed_dp + comm_s["pp"]
     return Plan(
