@@ -88,7 +88,10 @@ def test_the_command_prints_the_estimate_and_its_json():
 
 def test_by_default_the_mfu_is_calibrated_and_the_goodput_counted_and_both_are_said():
     text = keel("estimate", "--params", "70B", "--tokens", "15T", "--gpu", "H100").stdout
-    assert "MFU: the H100 curve between Megatron-Core GPT 16B and Megatron-Core GPT 462B" in text and "goodput   90% of the wall-clock time trains" in text
+    assert (
+        "MFU: the H100 curve between Megatron-Core GPT 16B and Megatron-Core GPT 462B" in text
+        and "goodput   90% of the wall-clock time trains" in text
+    )
     default, explicit = (json.loads(keel("estimate", "--params", "70B", "--tokens", "15T", "--gpu", "H100", *more, "--json").stdout)
                          for more in ((), ("--goodput", "1")))  # fmt: skip
     assert default["gpu_hours"] == pytest.approx(explicit["gpu_hours"] / 0.9)
