@@ -9,10 +9,10 @@ docs/planning.md):
 - memory of the busiest rank, against the CPU allocator's peak on the profiled steps: within 15% (measured
   -10.4% to +8.5% over 22 runs of 11 layouts);
 - comm share where the step waits on the pipeline above all: within 6 points (measured 1.7 at most);
-- elsewhere the prediction is a lower bound, at most 20 points under (measured 2 to 14): two ranks sharing
-  two cores arrive at each collective apart, which the link probe, timed while nothing computes, cannot see;
-  give or take the probe's own spread (PROBE_SPREAD), which decides the one all-reduce of replicate (a suite
-  run measured 0.039 against a predicted 0.042).
+- elsewhere the predicted wait is a lower bound on the seconds a step waits, give or take the probe's own
+  spread (PROBE_SPREAD), and its share at most 20 points under the measured one (measured 2 to 14): two ranks
+  sharing two cores arrive at each collective apart, which the link probe, timed while nothing computes,
+  cannot see.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ LAYOUTS = {
 PIPELINED = ("pp2 m2", "pp2 m4")  # the step waits on the pipeline above all
 # The link probe's bus bandwidth between two ranks varied from 0.59 to 1.05 GB/s between runs on this machine:
 # where a step's communication is one all-reduce (replicate), its predicted share moves as much.
-PROBE_SPREAD = 0.7
+PROBE_SPREAD = 0.59 / 1.05  # the slowest probe over the fastest: a prediction may be this far off by the probe alone
 
 
 @pytest.fixture(scope="session")
@@ -88,8 +88,14 @@ def test_the_comm_share_is_predicted(planned_runs, compute_efficiency, layout):
     predicted, measured = got["predicted"]["comm_share"], got["measured"]["comm_share"]
     if layout in PIPELINED:
         assert predicted == pytest.approx(measured, abs=0.06), f"{layout}: predicted {predicted:.3f}, measured {measured:.3f}"
-    else:  # a lower bound, give or take the link probe's own spread: the ranks' waits for each other come on top
-        assert PROBE_SPREAD * predicted <= measured <= predicted + 0.20, f"{layout}: predicted {predicted:.3f}, measured {measured:.3f}"
+    else:
+        # A lower bound on the seconds a step waits, give or take the link probe's own spread: the ranks' waits for
+        # each other come on top. In seconds, not as a share: two ranks on two cores compute slower than the
+        # single-process efficiency predicts (1.6-2.8x, bench/plan_accuracy.py), which shrinks the measured share
+        # of the same wait (CI: replicate's one all-reduce measured 0.021 of the step against 0.039 predicted).
+        waited, predicted_wait = measured * got["measured"]["step_s"], predicted * got["predicted"]["step_s"]
+        assert PROBE_SPREAD * predicted_wait <= waited, f"{layout}: waited {waited:.4f} s a step, predicted {predicted_wait:.4f} s"
+        assert measured <= predicted + 0.20, f"{layout}: predicted share {predicted:.3f}, measured {measured:.3f}"
 
 
 def test_train_prints_the_plan_before_the_first_step(planned_runs):
