@@ -9,7 +9,8 @@ One real Prometheus (scrape and rule evaluation every second) and Alertmanager, 
   rank 1 switched on mid-run (KeelStraggler; and KeelThroughputDrop, KeelLowMFU and KeelHighCommShare,
   since the other rank waits for it inside the collectives), then a hang (KeelTrainingStalled). Its
   exporter lingers after the last step, longer than the stall floor: a run that ended is not stalled.
-- the clean run: the same job without faults, stopped (Ctrl-C) once it has trained as long.
+- the clean run: the same job without faults, stopped (Ctrl-C) once it has trained as long. Its silence
+  counts only because Prometheus is shown to have scraped it every second from its first step to its last.
 
 Two shared CPU cores are noisy, and windows of seconds see that noise where the default windows of
 minutes would not: one step's tokens/s varies by about 35%, and a clean run on CI once had one rank
@@ -160,6 +161,7 @@ class AlertingRuns:
     delivered: list[dict]  # every firing alert Alertmanager delivered to the webhook
     faulty_dir: Path
     clean_dir: Path
+    clean_target: str  # the clean run's exporter, "127.0.0.1:port", as Prometheus' `instance` label names it
 
     def explain(self) -> str:
         lines = [
@@ -211,7 +213,7 @@ def runs(tmp_path_factory) -> AlertingRuns:
             assert proc.returncode == EXIT_INTERRUPTED, log.read_text()[-3000:]
         time.sleep(4)  # the last evaluations and notifications (evaluation 1 s, group_wait 1 s)
         delivered = [a for body in hook.received for a in body.get("alerts", []) if a["status"] == "firing"]
-        yield AlertingRuns(prom, params, delivered, faulty_dir, clean_dir)
+        yield AlertingRuns(prom, params, delivered, faulty_dir, clean_dir, targets[1])
 
 
 def exporter_ports(n: int) -> list[int]:
@@ -261,6 +263,31 @@ def test_no_rule_fires_on_a_clean_run_as_long(runs):
     assert [a for a in runs.delivered if a["labels"]["run_id"] == "clean"] == [], runs.explain()
     # Not even one that Alertmanager could have held back: Prometheus never had one firing.
     assert runs.prom.query('max_over_time(ALERTS{run_id="clean", alertstate="firing"}[15m])') == []
+
+
+def raw_samples(prom: Server, series: str) -> pd.Series:
+    """Every sample Prometheus stored of one series in the last 15 minutes, by Unix time."""
+    found = prom.query(f"{series}[15m]")
+    assert len(found) == 1, f"Prometheus holds {len(found)} series {series}, not one: its target was never scraped or is not unique"
+    return pd.Series({float(t): float(v) for t, v in found[0]["values"]})
+
+
+def test_prometheus_scraped_the_clean_run_throughout(runs):
+    """Silence means something only if Prometheus saw the clean run: an exporter that moved to another port
+    (Keel does that when its port is busy) or died would leave every rule silent too."""
+    clean = read_steps(runs.clean_dir)
+    began, ended = clean.time.min(), clean.time.max()
+    up = raw_samples(runs.prom, f'up{{instance="{runs.clean_target}"}}')
+    while_training = up[(up.index >= began) & (up.index <= ended)]
+    # Scraped every second (the scrape interval) from the first step to the last: no failed scrape, no gap
+    # of more than 3 intervals (a loaded machine delays a scrape, it does not skip three).
+    assert (while_training == 1).all(), while_training[while_training != 1]
+    assert len(while_training) >= 0.9 * (ended - began), f"{len(while_training)} scrapes in {ended - began:.0f} s of training"
+    gaps = pd.Series([began, *while_training.index, ended]).diff().dropna()
+    assert gaps.max() <= 3.0, f"no scrape for {gaps.max():.1f} s"
+    # And what it scraped is the clean run's: its step series followed the run to within a few steps of its end.
+    steps_seen = raw_samples(runs.prom, 'keel_step{run_id="clean"}')
+    assert steps_seen.max() >= clean.step.max() - 3 and steps_seen.index.min() <= began + 5, (steps_seen.max(), clean.step.max())
 
 
 def last_scraped(prom: Server, series: str) -> float:

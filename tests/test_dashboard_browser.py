@@ -152,6 +152,16 @@ def _open(browser, url: str):
     return page
 
 
+def _wait_for_caption(page, first: int, last: int) -> None:
+    """Wait until the Run page's caption says it shows steps `first` to `last`. The URL changes as soon as the
+    browser asks for a rerun and the caption only when the rerun's page arrives, so a test waits for the caption."""
+    page.wait_for_function(
+        "text => [...document.querySelectorAll('p')].some(p => p.innerText.startsWith(text))",
+        arg=f"Steps {first} to {last}:",
+        timeout=30_000,
+    )
+
+
 def _caption_steps(page) -> int:
     """The newest step the Run page says it shows (its caption: "Steps 1 to N: ...")."""
     text = page.get_by_text(re.compile(r"^Steps [\d,]+ to [\d,]+:")).first.inner_text(timeout=30_000)
@@ -293,7 +303,7 @@ def test_smoothing_draws_the_average_over_the_raw_line_it_keeps(browser, dashboa
     slider.press("End")  # the most smoothing: 0.99
     chart = _loss_chart(page, "[data-lines*='smooth']")
     assert chart.get_attribute("data-lines") == "effective:raw-faint,effective:smooth,attempt 0:raw-faint,attempt 0:smooth"
-    assert "smooth=0.99" in page.url
+    page.wait_for_url(re.compile(r"smooth=0\.99"), timeout=30_000)
     assert chart.evaluate("c => c.toDataURL()") != before
     # The full-strength blue is now the smoothed line; the raw line stays, faint: the same blue, mostly transparent.
     assert chart.evaluate(_PIXELS_OF, EFFECTIVE_COLOUR) > 50 and chart.evaluate(_FAINT_PIXELS_OF, EFFECTIVE_COLOUR) > 100, raw_blue
@@ -311,10 +321,10 @@ def test_a_drag_zooms_to_its_steps_and_a_double_click_shows_them_all(browser, da
     page.mouse.up()
     page.wait_for_url(re.compile(r"steps=\d+-\d+"), timeout=30_000)
     assert re.search(r"steps=(\d+)-(\d+)", page.url).groups() == ("20", "40")
-    page.wait_for_function("() => [...document.querySelectorAll('p')].some(p => p.innerText.startsWith('Steps 20 to 40:'))", timeout=30_000)
+    _wait_for_caption(page, 20, 40)
     _loss_chart(page).dblclick()
     page.wait_for_function("() => !location.search.includes('steps=')", timeout=30_000)
-    assert _caption_steps(page) == 60
+    _wait_for_caption(page, 1, 60)
     page.close()
 
 
@@ -323,7 +333,8 @@ def test_log_scale_redraws_the_y_axis(browser, dashboard):
     before = _loss_chart(page, "[data-y-scale='linear']").evaluate("c => c.toDataURL()")
     page.get_by_text("log y", exact=True).click()
     chart = _loss_chart(page, "[data-y-scale='log']")
-    assert chart.evaluate("c => c.toDataURL()") != before and "log=1" in page.url
+    assert chart.evaluate("c => c.toDataURL()") != before
+    page.wait_for_url(re.compile(r"log=1"), timeout=30_000)
     page.close()
 
 
