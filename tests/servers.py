@@ -1,5 +1,5 @@
-"""Real servers for tests: Prometheus, Alertmanager, a webhook receiver and a static metrics target,
-each on a free loopback port, each stopped by its own PID (never by name).
+"""Real servers for tests: Prometheus, Alertmanager, a Pushgateway, a webhook receiver and a static metrics
+target, each on a free loopback port, each stopped by its own PID (never by name).
 
 Not a test module (nothing here is named test_*): import it from tests, e.g.
 
@@ -56,7 +56,9 @@ def _binary(*names: str) -> str:
         path = shutil.which(name)
         if path:
             return path
-    raise FileNotFoundError(f"none of {', '.join(names)} is on PATH (on Debian: apt-get install prometheus prometheus-alertmanager)")
+    raise FileNotFoundError(
+        f"none of {', '.join(names)} is on PATH (on Debian: apt-get install prometheus prometheus-alertmanager prometheus-pushgateway)"
+    )
 
 
 def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -242,6 +244,24 @@ def start_alertmanager(tmp_path: Path, webhook_url: str) -> Server:
         "--log.level=info",
     ]
     return _start("alertmanager", argv, port, workdir)
+
+
+def start_pushgateway(tmp_path: Path) -> Server:
+    """Starts a Pushgateway (nothing persisted: it forgets every push when stopped); returns once /-/ready
+    answers. Its /metrics serves what was pushed, each series with the push's grouping labels."""
+    binary = _binary("prometheus-pushgateway", "pushgateway")
+    workdir = Path(tmp_path) / f"pushgateway-{free_port()}"
+    workdir.mkdir(parents=True)
+    port = free_port()
+    argv = [
+        binary,
+        f"--web.listen-address=127.0.0.1:{port}",
+        # Debian's build persists to /var/lib/prometheus/pushgateway.data by default: one gateway's pushes
+        # would show up in the next one, and the machine's file would hold the tests' metrics.
+        "--persistence.file=",
+        "--log.level=info",
+    ]
+    return _start("pushgateway", argv, port, workdir)
 
 
 class _HookServer(ThreadingHTTPServer):

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from playwright.sync_api import sync_playwright
+from browsers import launched_chromium
 from servers import free_port
 from streamlit.testing.v1 import AppTest
 
@@ -38,9 +37,6 @@ from keel.monitor.store import read_events, step_bounds
 # Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
 pytestmark = pytest.mark.slow
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-# Headless chromium as root in a container: no sandbox, no GPU, no /dev/shm, no calls home.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking", "--no-first-run"]
 LIVE_WITHIN_S = 10.0
 PAGES = {"runs": "/", "run": "/run?run=spike", "events": "/events?run=hang", "drills": "/drills",
          "compare": "/compare?run=spike&run=hang&metric=loss&metric=grad_norm"}  # fmt: skip
@@ -131,11 +127,8 @@ def dashboard(runs_folder, live_run) -> str:
 
 @pytest.fixture(scope="module")
 def browser():
-    assert CHROMIUM, "Debian's chromium is not on PATH: apt-get install chromium (.ci/run does)"
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    with launched_chromium() as chromium:
         yield chromium
-        chromium.close()
 
 
 @pytest.fixture(scope="module")
@@ -234,9 +227,13 @@ def test_a_step_the_trainer_appends_appears_without_a_reload(browser, dashboard,
     _caption_steps(page)
     page.evaluate("window.keelNoReload = true")  # gone if the page reloads
     before = _newest_step(live_run)
-    while _newest_step(live_run) == before:
+    # The live run writes a step every 150 ms or so (its straggler's sleep, and the tiny model's step); a
+    # minute without one is a run that stalled or died, which must fail the test, not hang it.
+    deadline = time.time() + 60
+    while _newest_step(live_run) == before and time.time() < deadline:
         time.sleep(0.05)
     appended, written_at = _newest_step(live_run), time.time()
+    assert appended > before, f"the live run wrote no step after step {before} in 60 s"
     while _caption_steps(page) < appended and time.time() - written_at < LIVE_WITHIN_S + 5:
         time.sleep(0.2)
     shown_after = time.time() - written_at
