@@ -54,8 +54,9 @@ class PrometheusSink:
         self.run_id, self.pushgateway_url, self.pipeline_stages = run_id, pushgateway_url, pipeline_stages
         self.registry = KeelRegistry()
         self.gauge_families = {m.source: Gauge(m.name, m.help, m.labels, registry=self.registry) for m in metrics.step_gauges()}
-        # The labelled children are looked up once, at the first step (.labels() takes a lock and a dict
-        # lookup per call). Not before: a gauge would read 0 until then, and a loss of 0 is a lie.
+        # Each labelled child is looked up once (.labels() takes a lock and a dict lookup per call), at the
+        # first step that has its column's value. Not before: a gauge would read 0 until then, and a loss of
+        # 0 is a lie (a run that never evaluates would report a validation loss of 0).
         self.gauges: dict[str, Any] = {}
         self.rank_families = {m.source: (m.labels, Gauge(m.name, m.help, m.labels, registry=self.registry)) for m in metrics.RANK_GAUGES}
         self.rank_children: dict[tuple[str, int], Any] = {}
@@ -84,11 +85,12 @@ class PrometheusSink:
         log.info("Prometheus exporter on http://%s:%d/metrics", host, self.port)
 
     def on_step(self, row: dict[str, Any], rank_rows: list[dict[str, Any]]) -> None:
-        if not self.gauges:
-            self.gauges = {source: family.labels(self.run_id) for source, family in self.gauge_families.items()}
-        for column, gauge in self.gauges.items():
+        for column, family in self.gauge_families.items():
             value = row.get(column)
             if value is not None:
+                gauge = self.gauges.get(column)
+                if gauge is None:
+                    gauge = self.gauges[column] = family.labels(self.run_id)
                 gauge.set(value)
         self.step_duration.observe(row["step_time_s"])
         for name, value in (row.get(CUSTOM_KEY) or {}).items():  # names checked before the run (keel.monitor.custom_metrics)

@@ -94,3 +94,18 @@ def test_busy_time_is_kept_from_the_last_sampled_step_and_the_run_ends():
         assert scrape(sink)[0]["keel_run_ended"].value == 1
     finally:
         sink.close()
+
+
+def test_a_metric_is_exported_only_once_the_run_has_a_value_for_it():
+    """A run that never evaluates has no validation loss: exported at 0 it would read as a perfect model."""
+    sink = PrometheusSink("r3", port=0)
+    unevaluated = {k: v for k, v in ROW.items() if not k.startswith("validation_")}
+    try:
+        sink.on_step(unevaluated, [])
+        samples = scrape(sink)[0]
+        assert samples["keel_loss"].value == 2.5
+        assert "keel_validation_loss" not in samples and "keel_validation_perplexity" not in samples
+        sink.on_step(ROW, [])
+        assert scrape(sink)[0]["keel_validation_loss"].value == 2.75
+    finally:
+        sink.close()
