@@ -66,7 +66,7 @@ def test_corrupt_checkpoint_falls_back_to_previous(tmp_path):
 
     # With every checkpoint corrupt, a resume says so for each one and starts over rather than load any.
     saved = list_checkpoints(run_dir)
-    assert [s for s, _ in saved] == [8, 12, 16]  # retention kept the newest three
+    assert [s for s, _ in saved] == [4, 8, 12, 16]  # the newest three, and the oldest of the last 200 steps (keep_lookback_steps)
     for _, path in saved:
         (path / "manifest.json").write_text("{not json")
     proc = keel("train", "--resume", str(run_dir))
@@ -74,7 +74,7 @@ def test_corrupt_checkpoint_falls_back_to_previous(tmp_path):
     events = read_events(run_dir)
     last_start = events[events.kind == "run_started"].index[-1]
     after = events.loc[last_start:]
-    assert len(after[after.kind == "checkpoint_corrupt"]) == 3 and "checkpoint_missing" in set(after.kind)
+    assert len(after[after.kind == "checkpoint_corrupt"]) == 4 and "checkpoint_missing" in set(after.kind)
     assert list(read_steps(run_dir, effective=True).step) == list(range(1, 17))
 
 

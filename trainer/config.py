@@ -263,7 +263,7 @@ class CheckpointConfig:
     # 8 hours give 31 minutes.
     interval_minutes: float = 30.0
     keep: int = 3  # the newest K checkpoints are kept ...
-    keep_lookback_steps: int = 200  # ... plus the newest one at least this many steps older, for a rollback past them
+    keep_lookback_steps: int = 200  # ... plus one at least this many steps older (under twice that), for a rollback past them
     async_save: bool = True  # training goes on while the shards are written
 
     def validate(self) -> None:

@@ -275,15 +275,20 @@ class Checkpointer:
 
     def _apply_retention(self) -> list[str]:
         """Keeps the newest `keep` checkpoints and the newest one at least `keep_lookback_steps` older
-        than the newest, so a spike found late can still roll back past several recent saves."""
+        than the newest, so a spike found late can still roll back past several recent saves. The oldest
+        one younger than that is kept too, until it is that old: otherwise each save would be removed
+        before it grew old enough (whenever `keep` saves span fewer steps), and none would ever be kept."""
         found = list_checkpoints(self.dir.parent)
         if not found:
             return []
         keep = {p for _, p in found[-self.cfg.keep :]}
         newest = found[-1][0]
         older = [p for s, p in found if s <= newest - self.cfg.keep_lookback_steps]
+        younger = [p for s, p in found if s > newest - self.cfg.keep_lookback_steps]
         if older:
             keep.add(older[-1])
+        if younger:
+            keep.add(younger[0])
         removed = []
         for _, p in found:
             if p not in keep:
