@@ -251,6 +251,9 @@ class KeelRun:
         """Restores the newest good checkpoint saved before the bad steps and moves the data past the bad
         window (recovery.skip_data) or back to the checkpoint's data; a new attempt begins there."""
         step = self.step
+        # A save still being written belongs to this attempt: recorded before the next attempt begins.
+        self.checkpointer.wait()
+        self.incidents.saved(self.checkpointer.poll(), self.attempt)
         self.watchdog.beat("checkpoint_load", step, self.attempt)
         self.set_collective_timeout(self.cfg.watchdog.checkpoint_s + 60)  # rank 0 verifies while the others wait
         restored = self.checkpointer.load_latest(before_step=verdict.bad_from)
