@@ -39,8 +39,10 @@ SEGMENTS = [
     (["--pp=1", "--dp=4", "--training.activation_checkpointing=none"], "pp2 dp2 tp1 in the checkpoint, pp1 dp4 tp1 now"),
 ]  # fmt: skip
 # The largest relative difference from the single-process run over the 20 steps (loss, grad norm), as
-# measured on 2026-12-02; the tolerance is 10x that, as in tests/test_parity.py.
-MEASURED = (1.14e-7, 1.93e-7)
+# measured on 2026-12-04 in three runs, bit-identical (fp32 on CPU, one thread per process): the loss's is one
+# float32 rounding, the figure docs/training.md quotes. The tolerance is 10x that, as in tests/test_parity.py:
+# reduction orders differ between layouts, and by how much their roundings add up may differ between CPUs.
+MEASURED = (1.14e-7, 3.33e-7)
 
 
 def test_a_run_resumed_at_four_other_layouts_follows_the_single_process_run(tmp_path, reference_run):
