@@ -10,8 +10,9 @@ any drill fails, so a job script can gate on it.
 `open_run`): each run is that command, with the drill's settings and faults in KEEL_ARGS, judged the same way.
 
 The drill changes only what makes it short and quick to judge: the number of steps, a checkpoint
-every few steps, a watchdog floor of seconds, frequent communication sampling, and no exporters or
-alert channels (a drill must not page anyone). Everything else is the job's.
+every few steps, a watchdog floor of seconds, frequent communication sampling (and the straggler score
+from the fault's step on), and no exporters or alert channels (a drill must not page anyone). Everything
+else is the job's.
 """
 
 from __future__ import annotations
@@ -48,10 +49,15 @@ class Drill:
     # {ROWS} half the job's micro-batch (sequences): a memory that one halving gets under
     expect: Expectation
 
-    @property
-    def train_args(self) -> list[str]:
-        # A slow rank is scored on the steps whose communication is measured: measure every other one.
-        return ["--metrics.comm_sample_every=2"] if self.expect.min_stage_ranks > 1 else []
+    def train_args(self, setup: DrillSetup) -> list[str]:
+        """A slow rank is scored on the steps whose communication is measured: measure every other one, from
+        the fault's step on. Samples from before it measure the machine, and two shared cores can make the
+        faulty rank slower on their own (a fault-free run of a user's loop had its rank 1 scored 0.58): flagged
+        before the fault, it is reported again only once its score halves, so the fault could go unreported."""
+        if self.expect.min_stage_ranks == 1:
+            return []
+        first_scored = max(setup.cfg.stragglers.warmup_steps, setup.fault_step - 1)
+        return ["--metrics.comm_sample_every=2", f"--stragglers.warmup_steps={first_scored}"]
 
 
 def drill_of(name: str, fault: str, step: int | str = "{S}") -> Drill:
@@ -295,7 +301,7 @@ def run_drills(setup: DrillSetup, drills: list[Drill]) -> list[DrillResult]:
         runs = dict(
             zip(
                 [d.name for d, _ in runnable],
-                pool.map(lambda x: runner.train(x[0].name, x[0].train_args + [f"--fault={s}" for s in x[1]]), runnable),
+                pool.map(lambda x: runner.train(x[0].name, x[0].train_args(setup) + [f"--fault={s}" for s in x[1]]), runnable),
             )
         )
         skips = {

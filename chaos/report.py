@@ -29,7 +29,7 @@ def _row(r: DrillResult) -> tuple[str, ...]:
     if r.status == "n/a":
         return (r.name, "n/a", "-", "-", "-", "-", r.reasons[0])
     detected = (
-        f"{r.detected_by} at step {r.detection_step} (+{r.detection_latency_steps} steps, {r.detection_latency_s:.1f} s)"
+        f"{r.detected_by} at step {r.detection_step} ({r.detection_latency_steps:+d} steps, {r.detection_latency_s:+.1f} s)"
         if r.detected
         else "no"
     )
@@ -183,7 +183,7 @@ def _mark_fault_and_recovery(ax, r: DrillResult, dropped: pd.DataFrame) -> None:
         ax.axvline(r.fault_step, color="tab:red", lw=1.5, label=f"fault (step {r.fault_step})")
     if r.detected and r.detection_step is not None:
         ax.axvline(
-            r.detection_step + 0.3, color="tab:orange", lw=1.5, ls="--", label=f"detected: {r.detected_by} (+{r.detection_latency_s:.1f} s)"
+            r.detection_step + 0.3, color="tab:orange", lw=1.5, ls="--", label=f"detected: {r.detected_by} ({r.detection_latency_s:+.1f} s)"
         )
     if r.recovered_step is not None and len(dropped):
         # The recovery went back in steps (a rollback or a restart from a checkpoint): shade what ran again.

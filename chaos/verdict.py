@@ -1,6 +1,7 @@
 """Judging one drill from the run stores: was the fault detected, did the run recover, was anything lost.
 
-A drill passes only when all three hold: the expected detection event came after the fault fired,
+A drill passes only when all three hold: the expected detection event came after the fault fired (one
+before it is a false alarm: the drill fails, with a negative latency),
 the run finished (exit 0, `run_finished`) through the expected recovery action, and the loss of the
 trajectory that counts equals the reference's (the fault-free run, or the fault-free run that
 skipped the same batches when the recovery skipped data). Reads the run directory only: no torch.
@@ -66,10 +67,20 @@ def skipped_batches(events: pd.DataFrame) -> list[tuple[int, int]]:
     return sorted(ranges)
 
 
-def _detection(events: pd.DataFrame, kinds: tuple[str, ...], since: float, rank: int | None = None) -> tuple[float, pd.Series] | None:
-    """The first event of these kinds after `since`, with the moment it was detected (a hang found
-    by the GIL-free timer is written down only after the restart; its data holds when it fired).
-    An event that names a rank (a straggler) counts only when it names the faulty one."""
+# How far before the fault's own record a detection may be timed and still count as after it: the fault's
+# record and the detection event may be written by different processes.
+_CLOCK_TOLERANCE_S = 1e-3
+# Events written when the run comes back after its processes ended name the step it resumed from, not the one
+# the fault was found in (a checkpoint found corrupt on that load names none).
+_NAME_THE_RESUMED_STEP = (EventKind.RESTART, EventKind.NODE_LOSS)
+
+
+def _detection(
+    events: pd.DataFrame, kinds: tuple[str, ...], since: float = -math.inf, rank: int | None = None
+) -> tuple[float, pd.Series] | None:
+    """The first event of these kinds after `since` (by default the first of the run), with the moment it was
+    detected (a hang found by the GIL-free timer is written down only after the restart; its data holds when
+    it fired). An event that names a rank (a straggler) counts only when it names the faulty one."""
     found = []
     for _, e in events[events.kind.isin(kinds)].iterrows():
         if rank is not None and e.kind == EventKind.STRAGGLER and e["rank"] != rank:
@@ -134,7 +145,7 @@ def judge(
     r.goodput = goodput["goodput"] if goodput else None
     r.final_loss = float(kept.loss.iloc[-1]) if len(kept) else None
 
-    _judge_detection(r, events, expect, fault_step, fault_rank)
+    _judge_detection(r, events, all_steps, expect, fault_step, fault_rank)
     _judge_recovery(r, events, kept, expect, exit_code, hint)
     _judge_loss(r, kept, expect, reference_dir)
     if expect.compare == "skip" and not r.batches_skipped:
@@ -143,24 +154,46 @@ def judge(
     return r
 
 
-def _judge_detection(r: DrillResult, events: pd.DataFrame, expect: Expectation, fault_step: int, fault_rank: int | None) -> None:
-    """Whether, by what and how fast the fault was detected."""
-    found = _detection(events, expect.detect, r.fault_time - 1e-3, fault_rank)
+def _judge_detection(
+    r: DrillResult, events: pd.DataFrame, steps: pd.DataFrame, expect: Expectation, fault_step: int, fault_rank: int | None
+) -> None:
+    """Whether, by what and how fast the fault was detected. The detector's first alarm of the run is its
+    detection: one before the fault (in steps or in time) is a false alarm, shown with its negative latency,
+    and the drill fails."""
+    found = _detection(events, expect.detect, rank=fault_rank)
     if found is None:
-        r.reasons.append(f"not detected: no {' or '.join(expect.detect)} event after the fault")
-    else:
-        at, event = found
-        r.detected, r.detected_by = True, str(event.kind)
-        # A restart or a checkpoint report names the step resumed from; the fault was found in its own step.
-        r.detection_step = max(int(event.step) if pd.notna(event.step) else fault_step, fault_step)
-        r.detection_latency_steps = r.detection_step - fault_step
-        r.detection_latency_s = at - r.fault_time  # not clamped: a detection before its fault is a bug to see
+        r.reasons.append(f"not detected: no {' or '.join(expect.detect)} event")
+        return
+    at, event = found
+    r.detected, r.detected_by = True, str(event.kind)
+    r.detection_step = _detection_step(event, at, r.fault_time, fault_step, steps)
+    r.detection_latency_steps = r.detection_step - fault_step
+    r.detection_latency_s = at - r.fault_time
+    if r.detection_latency_steps < 0 or r.detection_latency_s < -_CLOCK_TOLERANCE_S:
+        r.reasons.append(
+            f"false alarm: {event.kind} at step {r.detection_step} ({r.detection_latency_s:+.2f} s from the fault), "
+            f"before the fault hit step {fault_step}"
+        )
+
+
+def _detection_step(event: pd.Series, at: float, fault_time: float, fault_step: int, steps: pd.DataFrame) -> int:
+    """The step the fault was detected in: the one the event names. An event written on resuming (a restart, a
+    node loss, a checkpoint found corrupt on the load) found what ended the processes, in the step they ended
+    in: the fault's own when it came after the fault (a crash ends its process in its own step; the step the
+    store holds last can lag a rank that died at a step's start), else the step after the last one the run
+    recorded before it."""
+    if event.kind not in _NAME_THE_RESUMED_STEP and pd.notna(event.step):
+        return int(event.step)
+    if at >= fault_time - _CLOCK_TOLERANCE_S:
+        return fault_step
+    recorded = steps.step[steps.time <= at]
+    return int(recorded.max()) + 1 if len(recorded) else 1
 
 
 def _judge_recovery(r: DrillResult, events: pd.DataFrame, kept: pd.DataFrame, expect: Expectation, exit_code: int, hint: str) -> None:
     """Whether the run went on to finish after the fault, and when it was back to training."""
     finished = exit_code == 0 and (events.kind == EventKind.RUN_FINISHED).any()
-    action = _detection(events, expect.recover, r.fault_time - 1e-3) if expect.recover else None
+    action = _detection(events, expect.recover, r.fault_time - _CLOCK_TOLERANCE_S) if expect.recover else None
     if not finished:
         stopped = events[events.kind == EventKind.RUN_STOPPED]
         why = stopped.iloc[-1].message if len(stopped) else EXIT_MEANINGS.get(exit_code, "unknown")

@@ -13,6 +13,7 @@ from conftest import drill, keel
 
 from keel.chaos.drill import SUITES, select_drills
 from keel.chaos.fault_specs import KINDS
+from keel.monitor.detectors import SpikeConfig
 from keel.monitor.store import read_events, read_rank_steps, read_steps
 
 # Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.slow
 TINY = ("--config", "tiny")
 # A short drill: the spike detector needs a baseline, so it may judge from step 12 on; faults hit step 22.
 SHORT_SPIKE = ("--spike.warmup_steps=12", "--spike.min_baseline=8")
+SPIKE_PERSISTENCE = SpikeConfig().persistence  # the steps that confirm a spike, from its first outlier on
 
 
 def by_name(report: dict) -> dict:
@@ -35,8 +37,12 @@ def test_every_single_process_fault_is_detected_and_recovered_with_nothing_lost(
     assert list(results) == faults.split(";")
     for r in results.values():
         assert r["status"] == "pass" and r["detected"] and r["recovered"], r
-        # Detected at or after the fault, never before (the latency is not clamped), then recovered.
-        assert r["detection_latency_steps"] >= 0 and r["detection_latency_s"] >= 0, r
+        # Detected in the fault's own step (a NaN, a bad batch, an OOM, a hang, the process it ended), or by the
+        # spike detector once `persistence` steps from the first outlier on stood out: a corrupt batch's own
+        # loss is the first (+2), an LR surge's is the step after it (+3). Never before the fault: the verdict
+        # fails a detection before it (a false alarm) and shows its latency negative.
+        window = SPIKE_PERSISTENCE if r["detected_by"] == "spike" else 0
+        assert 0 <= r["detection_latency_steps"] <= window and r["detection_latency_s"] >= 0, r
         assert r["time_to_recover_s"] > 0 and r["goodput"] < 1, r
     # The rollbacks skipped data, so their reference skipped the same batches; the run matches it exactly.
     for name in ("nan", "inf_grad", "nan_param", "spike", "lr_surge", "data_corrupt"):
@@ -98,18 +104,31 @@ def test_a_straggler_is_named_in_a_dp2_drill(tmp_path):
     assert len(measured) >= 5 and len(ranks) == 2 * len(measured)
     assert set(zip(ranks.step, ranks.attempt)) == set(zip(measured.step, measured.attempt))
     assert (steps.step_time_min_s <= steps.step_time_median_s).all() and (steps.step_time_median_s <= steps.step_time_s).all()
-    # Rank 1 is the slowest from the fault on, except where rank 0 does its own work for a checkpoint: it
-    # seals and records a save in the two steps after it (a loaded machine once made that 330 ms, more than
-    # the straggler's sleep).
+    # From the fault on, except where rank 0 does its own work for a checkpoint: it seals and records a save
+    # in the two steps after it (a loaded machine once made that 330 ms, more than the straggler's sleep).
     saves = read_events(r["run_dir"]).query("kind == 'checkpoint_saved'").step.tolist()
     straggled = measured[(measured.step >= 10) & ~measured.step.map(lambda s: any(0 < s - e <= 2 for e in saves))]
-    assert len(straggled) >= 3 and (straggled.slowest_ranks.str.split(",").str[0] == "1").all(), straggled.slowest_ranks.tolist()
-    # Rank 0 waits for it inside the collectives: the longest wait, the one comm_share_max reports (the
-    # alert's input), is rank 0's, and above the ranks' mean.
-    waits = ranks.set_index(["step", "rank"]).comm_time_s.unstack()
-    waits = waits.loc[straggled.step]
-    assert (waits[0] > waits[1]).all(), waits
-    np.testing.assert_allclose(straggled.comm_share_max, waits[0].to_numpy() / straggled.step_time_s.to_numpy(), rtol=1e-6)
+    assert len(straggled) >= 3, straggled.step.tolist()
+    per_rank = ranks.set_index(["step", "rank"])
+    waits = per_rank.comm_time_s.unstack().loc[straggled.step]
+    busy = (per_rank.step_time_s - per_rank.comm_time_s).unstack().loc[straggled.step]
+    named_slowest = straggled.slowest_ranks.str.split(",").str[0].astype(int)
+    # A step names as slowest the rank that was busy longest (outside communication): on every step, as
+    # that is the same measurement whatever the load.
+    assert named_slowest.tolist() == busy.idxmax(axis=1).tolist(), (straggled.slowest_ranks.tolist(), busy)
+    # Rank 1 sleeps `ms` (twice a reference step) at each step start, and rank 0 waits for it in the
+    # collectives: rank 1 is busier, and rank 0 waits longer, each by about the delay. Not on every step: a
+    # loaded machine stalls one rank or the other by as much as the delay (4 drills at a load average of 8
+    # to 17 on 2 cores: rank 1 ahead by 0.06 to 2.4 times the delay a step, 2 steps in 20 under half of it).
+    # By the median over the fault's steps, which one or two such steps do not move: 1.01 to 1.19 times the
+    # delay measured for the busy time, 0.95 to 1.04 for the wait, where the wrong rank slowed would give
+    # about -1. And rank 1 named slowest on most of them (it was on 20 steps in 20).
+    delay_s = int(r["faults"][0].split("ms=")[1]) / 1000
+    assert (busy[1] - busy[0]).median() > delay_s / 2, busy
+    assert (waits[0] - waits[1]).median() > delay_s / 2, waits
+    assert (named_slowest == 1).mean() > 0.5, straggled.slowest_ranks.tolist()
+    # comm_share_max, the alert's input, is the longest wait of the step, above the ranks' mean.
+    np.testing.assert_allclose(straggled.comm_share_max, waits.max(axis=1).to_numpy() / straggled.step_time_s.to_numpy(), rtol=1e-6)
     assert (straggled.comm_share_max > straggled.comm_share).all()
 
 
