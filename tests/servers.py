@@ -264,6 +264,18 @@ def start_pushgateway(tmp_path: Path) -> Server:
     return _start("pushgateway", argv, port, workdir)
 
 
+def wait_for_dashboard(url: str, server: subprocess.Popen, timeout: float = 90.0) -> None:
+    """Waits until the `keel dashboard` process `server` answers its health check at `url`, or has ended, or
+    `timeout` seconds have passed (a Streamlit server takes seconds to start); the caller checks which."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and server.poll() is None:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                return
+        except OSError:
+            time.sleep(0.5)
+
+
 class _HookServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True

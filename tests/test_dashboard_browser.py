@@ -16,14 +16,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 from browsers import launched_chromium
-from servers import free_port
+from servers import free_port, wait_for_dashboard
 from streamlit.testing.v1 import AppTest
 
 from keel.dashboard.actions import ACTIONS_ENV
@@ -113,13 +112,7 @@ def dashboard(runs_folder, live_run) -> str:
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 90
-        while time.time() < deadline and server.poll() is None:
-            try:
-                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                    break
-            except OSError:
-                time.sleep(0.5)
+        wait_for_dashboard(url, server)
         assert server.poll() is None, server.stdout.read()
         yield url
     finally:

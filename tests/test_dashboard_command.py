@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 from browsers import launched_chromium
-from servers import free_port
+from servers import free_port, wait_for_dashboard
 
 # Real servers and the browser: the full suite only (`pytest -m "not slow"` leaves them out).
 pytestmark = pytest.mark.slow
@@ -41,13 +39,7 @@ def dashboards(tmp_path_factory):
         for name, (port, server) in servers.items():
             url = f"http://127.0.0.1:{port}"
             printed = server.stdout.readline()  # printed before it becomes the server
-            deadline = time.time() + 90
-            while time.time() < deadline and server.poll() is None:
-                try:
-                    if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                        break
-                except OSError:
-                    time.sleep(0.5)
+            wait_for_dashboard(url, server)
             assert server.poll() is None, printed + server.stdout.read()
             started[name] = (url, printed)
         yield started
