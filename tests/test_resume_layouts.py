@@ -40,9 +40,11 @@ SEGMENTS = [
 ]  # fmt: skip
 # The largest relative difference from the single-process run over the 20 steps (loss, grad norm), as
 # measured on 2026-12-04 in three runs, bit-identical (fp32 on CPU, one thread per process): the loss's is one
-# float32 rounding, the figure docs/training.md quotes. The tolerance is 10x that, as in tests/test_parity.py:
-# reduction orders differ between layouts, and by how much their roundings add up may differ between CPUs.
+# float32 rounding, the figure docs/training.md quotes. The loss is held to 10x that, as in tests/test_parity.py:
+# reduction orders differ between layouts, and how their roundings add up may differ between CPUs. The grad
+# norm keeps the tolerance it had (10x its 2026-12-02 measure of 1.93e-7), 5.8x its measure now.
 MEASURED = (1.14e-7, 3.33e-7)
+LOSS_RTOL, GRAD_NORM_RTOL = 10 * MEASURED[0], 1.93e-6
 
 
 def test_a_run_resumed_at_four_other_layouts_follows_the_single_process_run(tmp_path, reference_run):
@@ -65,5 +67,5 @@ def test_a_run_resumed_at_four_other_layouts_follows_the_single_process_run(tmp_
     assert list(run.attempt.drop_duplicates()) == [0, 1, 2, 3, 4]  # every layout trained its four steps
     logs = "".join(path.read_text() for path in (run_dir / "logs").iterdir())  # every attempt's, appended
     assert "activation checkpointing (full)" in logs and "activation checkpointing (selective)" in logs
-    np.testing.assert_allclose(run.loss, reference_run.loss, rtol=10 * MEASURED[0], atol=0)
-    np.testing.assert_allclose(run.grad_norm, reference_run.grad_norm, rtol=10 * MEASURED[1], atol=0)
+    np.testing.assert_allclose(run.loss, reference_run.loss, rtol=LOSS_RTOL, atol=0)
+    np.testing.assert_allclose(run.grad_norm, reference_run.grad_norm, rtol=GRAD_NORM_RTOL, atol=0)
