@@ -8,7 +8,10 @@ Tolerances, from the errors measured on a 2-core machine (python bench/plan_accu
 docs/planning.md):
 - memory of the busiest rank, against the CPU allocator's peak on the profiled steps: within 15% (measured
   -10.4% to +8.5% over 22 runs of 11 layouts);
-- comm share where the step waits on the pipeline above all: within 6 points (measured 1.7 at most);
+- comm share where the step waits on the pipeline above all: within 6 points (measured 1.7 at most). The
+  measured share is the median of the profiled steps after warm-up: twelve steps profile five (4, 6, ..., 12),
+  as one step's share ranged 0.21-0.30 within a calm pp2 m4 run; with six steps (two samples) a CI run
+  measured 0.283 against 0.213 predicted;
 - elsewhere the predicted wait is a lower bound on the seconds a step waits, give or take the probe's own
   spread (PROBE_SPREAD), and its share at most 20 points under the measured one (measured 2 to 14): two ranks
   sharing two cores arrive at each collective apart, which the link probe, timed while nothing computes,
@@ -27,7 +30,7 @@ from keel.trainer.planning.run_plan import check
 # Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
 pytestmark = pytest.mark.slow
 
-MODEL = ("--config=small", "--data.seq_len=256", "--training.global_batch_size=8", "--steps=6", "--metrics.comm_sample_every=2",
+MODEL = ("--config=small", "--data.seq_len=256", "--training.global_batch_size=8", "--steps=12", "--metrics.comm_sample_every=2",
          "--checkpoint.interval_steps=1000", "--eval.every=0", "--plan")  # fmt: skip
 LAYOUTS = {
     "dp2 zero3 m4": ("--pp=1", "--dp=2", "--tp=1", "--training.microbatches=4"),
