@@ -4,7 +4,7 @@
 A run's status comes from its own record and from its trainer's run lock (rank 0 holds it for as long as
 it trains; keel.monitor.run_lock.lock_held, which cannot tell for a run written before the lock existed or
 by a trainer on another host):
-- finished / stopped: its last ending event is `run_finished` / `run_stopped` (the rollback cap);
+- finished / stopped: its last ending event is `run_finished` / `run_stopped` (the rollback cap, Ctrl-C);
 - running: its trainer holds the lock and wrote a step or an event within `stuck_after_s`; or nothing holds
   the lock but it wrote within KILLED_AFTER_S (torchrun's restart of a worker group leaves the lock free
   for a few seconds); or the lock cannot be checked and it wrote within `stale_after_s` (ten of its median

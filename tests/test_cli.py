@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -17,6 +18,7 @@ from servers import wait_until
 from keel.monitor.checkpoints import verify
 from keel.monitor.exits import EXIT_INTERRUPTED
 from keel.monitor.run_dir import STORE_FILE, list_checkpoints, wandb_offline_runs
+from keel.monitor.runs import summarize_run
 from keel.monitor.store import read_events, read_steps
 from keel.trainer.config import load_config
 from keel.trainer.launch.launcher import next_commands, parse_train_args, torchrun_command
@@ -64,7 +66,8 @@ def test_train_module_under_plain_torchrun(tmp_path):
 
 def test_ctrl_c_stops_a_run_started_in_the_background(tmp_path):
     """A script's background job ignores SIGINT from birth; Ctrl-C (SIGINT to the process group) must still
-    stop `keel train` with 130, as torchrun stops its workers whatever it inherited, and leave no process."""
+    stop `keel train` with 130, as torchrun stops its workers whatever it inherited, and leave no process.
+    The run reads stopped, not killed, however long after: its record ends with `run_stopped`."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "keel.cli", "train", "--config=tiny", "--steps=100000", f"--run-dir={run_dir}", NO_WANDB]
     ignore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731 (what `cmd &` in a script does)
@@ -82,6 +85,9 @@ def test_ctrl_c_stops_a_run_started_in_the_background(tmp_path):
     assert proc.returncode == EXIT_INTERRUPTED, log.read_text()[-3000:]
     wait_until(lambda: not _group_alive(proc.pid), 15, "torchrun and its workers to end")
     assert len(read_steps(run_dir)) >= 1  # the store is readable after it
+    stopped = read_events(run_dir).query("kind == 'run_stopped'")
+    assert [d["exit_code"] for d in stopped.data] == [EXIT_INTERRUPTED]
+    assert summarize_run(run_dir, now=time.time() + 3600)["status"] == "stopped"
 
 
 def _group_alive(pgid: int) -> bool:

@@ -4,7 +4,8 @@ at the end, print the commands that show the run and upload its offline W&B runs
 torchrun restarts failed workers as Keel's budget allows (keel.trainer.launch.restarts, decided in the agent).
 When the agent itself is killed (SIGKILL: the node's processes vanished), `keel train` resumes the run
 as a cluster scheduler would requeue it, under the same budget. When the budget is spent, it records
-`run_stopped` with an alert and prints the command that resumes the run.
+`run_stopped` with an alert and prints the command that resumes the run; a Ctrl-C records `run_stopped`
+too (no alert), so that the run reads stopped rather than killed.
 
 All checks that can fail on user input run here, before any worker exists, so a mistake costs one
 line of output and not a stack trace from eight processes.
@@ -28,7 +29,7 @@ from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_HANG, EXIT_INTERRU
 from keel.monitor.redact import REDACTED
 from keel.monitor.run_dir import CONFIG_FILE, DUMP_DIR, STORE_FILE, wandb_offline_runs
 from keel.monitor.run_lock import RunDirBusy, check_free
-from keel.monitor.store import last_event
+from keel.monitor.store import RunStore, last_event, step_bounds
 from keel.trainer.checkpoint.manifest import config_record, newest_manifest, vet_resume
 from keel.trainer.config import ConfigError, JobConfig, check_run_dir, load_config, validate
 from keel.trainer.data.blend import open_job_data
@@ -270,6 +271,7 @@ def main(argv: list[str]) -> int:
     try:
         code = run_torchrun(cmd, {**worker_env(cfg, opts, run_dir), RUN_DIR_ENV: str(run_dir)}, run_dir, opts.max_restarts)
     except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the workers
+        record_interrupt(run_dir)
         return EXIT_INTERRUPTED
     code = exit_code_of_run(run_dir, code)
     if code == EXIT_RESTART_CAP:
@@ -296,12 +298,26 @@ def run_torchrun(cmd: list[str], env: dict[str, str], run_dir: Path, max_restart
             cmd = [*cmd, "--run.resume=true"]  # the new workers must load the newest checkpoint
 
 
+def record_interrupt(run_dir: Path) -> None:
+    """A Ctrl-C ends the run on purpose: `run_stopped` with its exit code, so that the run reads stopped, not
+    killed, and a resume does not count it as processes that vanished. No alert: whoever pressed it knows."""
+    if not (run_dir / STORE_FILE).exists():
+        return  # stopped before the first worker wrote anything
+    bounds = step_bounds(run_dir)
+    with RunStore(run_dir) as store:
+        store.write_event(
+            EventKind.RUN_STOPPED,
+            "run stopped: interrupted (Ctrl-C)",
+            step=None if bounds is None else bounds[1],
+            data={"exit_code": EXIT_INTERRUPTED, "reason": "interrupted (Ctrl-C)"},
+        )
+
+
 def report_give_up(cfg: JobConfig, run_dir: Path, failure: Failure) -> None:
     """The spent restart budget, everywhere a person looks: `run_stopped` and its alert (run store,
     webhook, W&B), and one console line with the command that resumes the run."""
     # Imported here: torch and the sinks load only for a run that gave up.
     from keel.monitor.recorder import RunRecorder
-    from keel.monitor.store import RunStore
     from keel.trainer.incidents import Incidents
     from keel.trainer.recorder_setup import build_sinks
 
