@@ -34,8 +34,8 @@ class RuleParams:
     stall_factor: float = 10.0  # KeelTrainingStalled: no step for this many times the median step time ...
     stall_median_window: str = "30m"  # ... (the median over this window, slowest rank) ...
     stall_floor_s: float = 120.0  # ... and for at least this many seconds (a checkpoint save or an eval must not page)
-    throughput_window: str = "5m"  # KeelThroughputDrop: mean tokens/s over this window ...
-    throughput_baseline: str = "1h"  # ... against the mean over a window this long that ended this long ago ...
+    throughput_window: str = "5m"  # KeelThroughputDrop: steps a second over this window ...
+    throughput_baseline: str = "1h"  # ... against the rate over a window this long that ended this long ago ...
     throughput_ratio: float = 0.95  # ... alerts at this ratio or below ...
     throughput_for: str = "15m"  # ... sustained this long
     mfu_threshold: float = 0.30  # KeelLowMFU: MFU below this ...
@@ -184,16 +184,19 @@ groups:
             than @stall_floor_s@ s). Look for a hung collective, a dead rank or a stuck data loader
             (py-spy dump the ranks).
 
-      # Warning: mean tokens/s over the last @throughput_window@ is at @throughput_ratio@ or less of the
-      # mean over the previous @throughput_baseline@ (the window that ended @throughput_baseline@ ago, so
-      # the drop itself does not dilute the baseline), sustained @throughput_for@. $value is current /
-      # previous throughput.
+      # Warning: steps a second over the last @throughput_window@ are at @throughput_ratio@ or less of the
+      # rate over the previous @throughput_baseline@ (the window that ended @throughput_baseline@ ago, so
+      # the drop itself does not dilute the baseline), sustained @throughput_for@. The rate of the
+      # step-duration histogram's count holds every step and every pause between them, where an average
+      # of the last step's tokens/s sees only the steps a scrape happened to land on: a slow step every
+      # N steps (a checkpoint, a profiled step) that keeps pace with the scrapes swings that average by
+      # half while the run's throughput stays put. $value is current / previous throughput.
       - alert: KeelThroughputDrop
         expr: |
           (
-            max by (run_id) (avg_over_time(keel_tokens_per_second[@throughput_window@]))
+            max by (run_id) (rate(keel_step_duration_seconds_count[@throughput_window@]))
               / on (run_id)
-            max by (run_id) (avg_over_time(keel_tokens_per_second[@throughput_baseline@] offset @throughput_baseline@))
+            max by (run_id) (rate(keel_step_duration_seconds_count[@throughput_baseline@] offset @throughput_baseline@))
           ) <= @throughput_ratio@
         for: @throughput_for@
         labels:
@@ -201,8 +204,8 @@ groups:
         annotations:
           summary: "Keel run {{ $labels.run_id }}: throughput at {{ $value | humanizePercentage }} of the previous @throughput_baseline@"
           description: >-
-            Run {{ $labels.run_id }}: tokens/s over the last @throughput_window@ is
-            {{ $value | humanizePercentage }} of the previous @throughput_baseline@'s mean (alert at
+            Run {{ $labels.run_id }}: steps a second over the last @throughput_window@ are
+            {{ $value | humanizePercentage }} of the previous @throughput_baseline@'s (alert at
             @throughput_ratio@ or less, for @throughput_for@). Check for stragglers, communication share,
             data loader stalls and thermal throttling.
 

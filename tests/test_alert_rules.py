@@ -238,7 +238,7 @@ def _exposition(run_id: str, loss: str) -> str:
     """One scrape of a two-rank run, every series the rules read."""
     lines = [
         f'keel_loss{{run_id="{run_id}"}} {loss}',
-        f'keel_tokens_per_second{{run_id="{run_id}"}} 12000',
+        f'keel_step_duration_seconds_count{{run_id="{run_id}"}} 1200',
         f'keel_mfu_ratio{{run_id="{run_id}"}} 0.42',
         f'keel_comm_share_ratio{{run_id="{run_id}"}} 0.12',
         f'keel_comm_share_max_ratio{{run_id="{run_id}"}} 0.13',
