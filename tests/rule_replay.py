@@ -1,0 +1,85 @@
+"""Replays series Prometheus scraped of a real run through `promtool test rules`, time compressed.
+
+A real run of a few minutes cannot hold the shipped rules' windows (a throughput baseline of an hour,
+15 minutes sustained), and the rules must not be edited to fit. So the replay stretches the run instead:
+one scrape a second becomes one sample every `compression` seconds, and what the run reported in seconds
+is stretched with it (the step's time stamp and durations multiplied), as if the same run had gone
+`compression` times slower. Ratios (comm share, straggler scores from busy seconds), losses and counters
+are unchanged: a counter's rate is divided by the stretched time.
+
+MFU is the exception: a CPU run's MFU against any real accelerator's peak is near zero, so the replay
+states the peak as the one at which the run's clean steps reach `clean_mfu` (a good GPU run's figure).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import yaml
+
+SCRAPE_INTERVAL_S = 1.0  # the e2e Prometheus scrapes every second
+
+
+def series_the_rules_read(rules: Path) -> set[str]:
+    return set(re.findall(r"\bkeel_[a-z_]+\b", rules.read_text()))
+
+
+def replayed_value(name: str, value: str, t0: float, compression: float, mfu_scale: float) -> str:
+    """One sample as the stretched run would have reported it."""
+    if value in ("NaN", "+Inf", "-Inf"):
+        return value
+    v = float(value)
+    if name == "keel_last_step_timestamp_seconds":  # a time: measured from the replay's start, stretched
+        v = (v - t0) * compression
+    elif name.endswith("_seconds"):  # a duration
+        v *= compression
+    elif name == "keel_mfu_ratio":
+        v *= mfu_scale
+    return repr(float(v))  # a plain float: a numpy scalar prints as np.float64(...)
+
+
+def input_series(recorded: list[dict], names: set[str], t0: float, compression: float, mfu_scale: float) -> list[dict]:
+    """promtool's input_series: sample i is what the scrape i seconds after t0 saw, `_` where no scrape
+    landed, and a staleness marker after a series' last sample (as Prometheus writes one when its target
+    goes away), so that a run that ended is not read as a run whose last value stands still."""
+    out = []
+    for found in recorded:
+        labels = dict(found["metric"])
+        name = labels.pop("__name__")
+        if name not in names:
+            continue
+        by_index: dict[int, str] = {}
+        for t, value in found["values"]:
+            by_index[round((float(t) - t0) / SCRAPE_INTERVAL_S)] = replayed_value(name, value, t0, compression, mfu_scale)
+        last = max(by_index)
+        values = [by_index.get(i, "_") for i in range(last + 1)] + ["stale"]
+        selector = ", ".join(f'{key}="{labels[key]}"' for key in sorted(labels))
+        out.append({"series": f"{name}{{{selector}}}", "values": " ".join(values)})
+    return out
+
+
+def start_of(recorded: list[dict]) -> float:
+    return min(float(t) for found in recorded for t, _ in found["values"])
+
+
+def fired_by(at_s: float, names: list[str]) -> dict:
+    """A promtool expression test: the rules that have fired (in any run) by at_s seconds of the replay are
+    exactly `names`."""
+    window = max(1, math.floor(at_s))
+    return {
+        "expr": f'group by (alertname) (max_over_time(ALERTS{{alertstate="firing"}}[{window}s]))',
+        "eval_time": f"{window}s",
+        "exp_samples": [{"labels": f'{{alertname="{name}"}}', "value": 1} for name in sorted(names)],
+    }
+
+
+def promtool_test_file(rules: Path, series: list[dict], compression: float, checks: list[dict]) -> str:
+    """A promtool unit-test file for the shipped rules, their own evaluation interval of a minute."""
+    doc = {
+        "rule_files": [str(rules)],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": f"{compression:g}s", "input_series": series, "promql_expr_test": checks}],
+    }
+    return yaml.safe_dump(doc, sort_keys=False, width=1 << 20)
