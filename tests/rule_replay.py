@@ -17,6 +17,7 @@ import math
 import re
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 SCRAPE_INTERVAL_S = 1.0  # the e2e Prometheus scrapes every second
@@ -64,12 +65,13 @@ def start_of(recorded: list[dict]) -> float:
     return min(float(t) for found in recorded for t, _ in found["values"])
 
 
-def fired_by(at_s: float, names: list[str]) -> dict:
+def fired_by(at_s: float, names: list[str], unchecked: str | None = None) -> dict:
     """A promtool expression test: the rules that have fired (in any run) by at_s seconds of the replay are
-    exactly `names`."""
+    exactly `names`, leaving out the rule `unchecked`."""
     window = max(1, math.floor(at_s))
+    left_out = "" if unchecked is None else f', alertname!="{unchecked}"'
     return {
-        "expr": f'group by (alertname) (max_over_time(ALERTS{{alertstate="firing"}}[{window}s]))',
+        "expr": f'group by (alertname) (max_over_time(ALERTS{{alertstate="firing"{left_out}}}[{window}s]))',
         "eval_time": f"{window}s",
         "exp_samples": [{"labels": f'{{alertname="{name}"}}', "value": 1} for name in sorted(names)],
     }
@@ -83,3 +85,22 @@ def promtool_test_file(rules: Path, series: list[dict], compression: float, chec
         "tests": [{"interval": f"{compression:g}s", "input_series": series, "promql_expr_test": checks}],
     }
     return yaml.safe_dump(doc, sort_keys=False, width=1 << 20)
+
+
+def lowest_held_throughput(step_times: np.ndarray, window_s: float, baseline_s: float, for_s: float, every_s: float) -> float:
+    """The throughput rule computed from a run's own record of its steps (when each ended), in the run's
+    seconds: the lowest ratio of the steps a second over the last `window_s` to the rate over the
+    `baseline_s` that ended `baseline_s` ago that held for `for_s`, evaluated every `every_s`. NaN when the
+    run is too short for a baseline."""
+    times = np.sort(step_times) - np.min(step_times)
+
+    def rate(start: float, end: float) -> float:  # over the part of the window the run covers, as rate() does
+        start = max(start, 0.0)
+        return np.count_nonzero((times > start) & (times <= end)) / (end - start)
+
+    moments = np.arange(baseline_s + window_s, times[-1], every_s)
+    ratios = np.array([rate(t - window_s, t) / rate(t - 2 * baseline_s, t - baseline_s) for t in moments])
+    held = math.ceil(for_s / every_s) + 1
+    if len(ratios) < held:
+        return math.nan
+    return float(min(ratios[i : i + held].max() for i in range(len(ratios) - held + 1)))

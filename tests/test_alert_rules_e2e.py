@@ -49,7 +49,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from rule_replay import fired_by, input_series, promtool_test_file, series_the_rules_read, start_of
+from rule_replay import fired_by, input_series, lowest_held_throughput, promtool_test_file, series_the_rules_read, start_of
 from servers import Server, WebhookReceiver, start_alertmanager, start_prometheus, wait_until
 
 from keel.monitor.alert_rules import SHIPPED, RuleParams, render
@@ -73,6 +73,9 @@ STRAGGLER_STEP, STRAGGLER_STEPS, STRAGGLER_MS = 400, 73, 2000
 # real run (twice its longest step on a loaded machine). The peak is stated as the one where the faulty
 # run's clean steps reach CLEAN_MFU.
 COMPRESSION, CLEAN_MFU = 30, 0.45
+# How far from its threshold the clean run's throughput, from its own record, must be for the replay to say
+# whether the throughput rule fires (test_the_shipped_rules_stay_silent_in_a_replay_of_the_clean_run).
+THROUGHPUT_MARGIN = 0.02
 # The stall floor is 4x the longest step of a clean run seen on a loaded 2-core machine (2.1 s, a
 # checkpoint save among them); the hang is twice the floor, and the exporter lingers longer than the floor.
 STALL_FLOOR_S, HANG_S, LINGER_S = 8.0, 16, 12
@@ -415,5 +418,18 @@ def test_the_shipped_rules_fire_on_each_fault_in_a_replay_of_the_faulty_run(runs
 
 
 def test_the_shipped_rules_stay_silent_in_a_replay_of_the_clean_run(runs, tmp_path):
-    got = replay(runs, "clean", lambda t0: [fired_by(replay_end(runs.recorded["clean"], t0), [])], tmp_path)
-    assert got.returncode == 0, got.stdout[-6000:] + got.stderr[-2000:]
+    """No rule fires on the clean run, the throughput rule excepted where the run's own record says so. A
+    clean run on a shared machine loses throughput to the machine's other work, which is what that rule is
+    for: it must fire exactly when every step the trainer recorded (not what Prometheus scraped) shows the
+    drop it names, held as long. Within THROUGHPUT_MARGIN of its threshold it is left out: the two measures
+    differed by 0.006 to 0.014 in three runs (0.84 under another job's load; 0.94 and 0.97 alone)."""
+    shipped = RuleParams()
+    in_seconds = [
+        pd.Timedelta(d).total_seconds() / COMPRESSION
+        for d in (shipped.throughput_window, shipped.throughput_baseline, shipped.throughput_for)
+    ]
+    lowest = lowest_held_throughput(read_steps(runs.clean_dir).time.to_numpy(), *in_seconds, every_s=60 / COMPRESSION)
+    unchecked = "KeelThroughputDrop" if abs(lowest - shipped.throughput_ratio) < THROUGHPUT_MARGIN else None
+    expected = ["KeelThroughputDrop"] if lowest < shipped.throughput_ratio - THROUGHPUT_MARGIN else []
+    got = replay(runs, "clean", lambda t0: [fired_by(replay_end(runs.recorded["clean"], t0), expected, unchecked)], tmp_path)
+    assert got.returncode == 0, f"lowest throughput held, from the run store: {lowest:.3f}\n" + got.stdout[-6000:] + got.stderr[-2000:]
