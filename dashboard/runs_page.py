@@ -16,9 +16,10 @@ from keel.monitor.runs import find_runs, summarize_runs
 RUNS_ENV = "KEEL_DASHBOARD_RUNS"  # the folders to search, os.pathsep-separated (set by `keel dashboard`)
 REFRESH_S = 5.0
 _NUMBER_PX = 62  # a number column's width: "100.0%" and "12,345" fit, as the headers do
+_STEP_PX = 112  # the step column's: "123,456 / 500,000" fits (sized by its first rows, "490 / 100,000" was cut)
 MISSING = ""  # what a cell without a value shows (Streamlit's own default is the text "None")
 _STATUS_HELP = (
-    "running; finished; stopped (on purpose: the rollback cap); killed (its trainer ended without a word: kill -9, the OOM "
+    "running; finished; stopped (on purpose: the rollback cap, Ctrl-C); killed (its trainer ended without a word: kill -9, the OOM "
     "killer, a lost node, a crash); hung (stuck: the watchdog said so, or it is stuck beyond the watchdog's reach); failed "
     "(silent too long, and whether its trainer lives cannot be told: a trainer on another host); unreadable"
 )
@@ -95,7 +96,7 @@ def _columns() -> dict[str, dict]:
     return {
         "run": st.column_config.LinkColumn(display_text=r"run\?run=(.*)", help="the run on the Run page"),
         "status": st.column_config.TextColumn(help=_STATUS_HELP),
-        "step": st.column_config.TextColumn(help="the last step / the steps the run is to train"),
+        "step": st.column_config.TextColumn(help="the last step / the steps the run is to train", width=_STEP_PX),
         "loss": number("%.4f", "loss at the last step"), "tok/s": number("%,.0f", "tokens per second at the last step"),
         "MFU": number(percent, "model FLOPs utilization at the last step"),
         "comm": number(percent, "comm share: the step's time spent in communication, last measured"),

@@ -204,6 +204,18 @@ def test_run_names_fall_back_to_the_whole_path_when_parents_clash_too(tmp_path):
     assert run_names([tmp_path]) == {str(runs[0]): runs[0], str(runs[1]): runs[1], "other": runs[2]}
 
 
+def test_the_runs_table_shows_how_each_run_goes_first_and_its_names_last(tmp_path, monkeypatch):
+    """At 800 px the first 11 columns are in view, through `alerts` (766 px of 1,191 in Chromium, a run of
+    100,000 steps among them); the layout, run id and problem that find a run come last, where they took
+    places among the first six."""
+    write_run(tmp_path / "a", "a")
+    monkeypatch.setenv(RUNS_ENV, str(tmp_path))
+    app = AppTest.from_string(RUNS_PAGE, default_timeout=60).run()
+    shown = list(app.dataframe[0].value.columns)
+    assert shown == ["run", "status", "step", "loss", "tok/s", "MFU", "comm", "goodput", "rollbacks", "restarts", "alerts",
+                     "layout", "run id", "problem"]  # fmt: skip
+
+
 def test_no_cell_of_the_runs_table_reads_none(tmp_path, monkeypatch):
     write_run(tmp_path / "single", "single", config={"parallel": {"pp": 1, "dp": 1, "tp": 1}}, comm_share=None)
     write_run(tmp_path / "loop", "loop")  # a user's own loop: no layout
