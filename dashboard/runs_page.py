@@ -17,6 +17,7 @@ RUNS_ENV = "KEEL_DASHBOARD_RUNS"  # the folders to search, os.pathsep-separated 
 REFRESH_S = 5.0
 _NUMBER_PX = 62  # a number column's width: "100.0%" and "12,345" fit, as the headers do
 _STEP_PX = 112  # the step column's: "123,456 / 500,000" fits (sized by its first rows, "490 / 100,000" was cut)
+_RUN_ID_PX = 150  # the run id column's: "20261205-070123-8a29" (keel's own ids) fits; "small" cut it after the hour
 MISSING = ""  # what a cell without a value shows (Streamlit's own default is the text "None")
 _STATUS_HELP = (
     "running; finished; stopped (on purpose: the rollback cap, Ctrl-C); killed (its trainer ended without a word: kill -9, the OOM "
@@ -102,5 +103,5 @@ def _columns() -> dict[str, dict]:
         "comm": number(percent, "comm share: the step's time spent in communication, last measured"),
         "goodput": number(percent, "productive step time / wall time"), "rollbacks": number(count, "rollbacks"),
         "restarts": number(count, "restarts"), "alerts": number(count, "alerts sent"),
-        "run id": st.column_config.TextColumn(width="small"),
+        "run id": st.column_config.TextColumn(width=_RUN_ID_PX),
     }  # fmt: skip

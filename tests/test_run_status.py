@@ -205,7 +205,7 @@ def test_run_names_fall_back_to_the_whole_path_when_parents_clash_too(tmp_path):
 
 
 def test_the_runs_table_shows_how_each_run_goes_first_and_its_names_last(tmp_path, monkeypatch):
-    """At 800 px the first 11 columns are in view, through `alerts` (766 px of 1,191 in Chromium, a run of
+    """At 800 px the first 11 columns are in view, through `alerts` (766 px of 1,266 in Chromium, a run of
     100,000 steps among them); the layout, run id and problem that find a run come last, where they took
     places among the first six."""
     write_run(tmp_path / "a", "a")
