@@ -303,8 +303,8 @@ def record_interrupt(run_dir: Path) -> None:
     killed, and a resume does not count it as processes that vanished. No alert: whoever pressed it knows."""
     if not (run_dir / STORE_FILE).exists():
         return  # stopped before the first worker wrote anything
-    bounds = step_bounds(run_dir)
-    with RunStore(run_dir) as store:
+    with RunStore(run_dir) as store:  # opened first: it completes the tables of a store a worker had just begun
+        bounds = step_bounds(run_dir)
         store.write_event(
             EventKind.RUN_STOPPED,
             "run stopped: interrupted (Ctrl-C)",
