@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import keel, train
+from conftest import NO_WANDB, keel, train
 
 from keel.monitor.exits import EXIT_HANG, EXIT_OOM_RESTART, EXIT_RESTART_CAP
 from keel.monitor.run_dir import CHAOS_DIR, INJECTED_FILE
 from keel.monitor.store import RunStore, read_events, read_meta, read_steps
-from keel.trainer.launch.restarts import RestartBudget, first_failed, read_failures
+from keel.trainer.launch.restarts import RestartBudget, first_failed, furthest_step, read_failures
 from keel.trainer.progress import ProgressLine
 
 # Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
@@ -163,10 +168,40 @@ def test_a_node_loss_is_resumed_recorded_with_its_gap_and_counted_as_lost_time(n
     assert list(read_steps(run_dir, effective=True).step) == list(range(1, 17))
 
 
-def test_the_resumed_run_follows_the_uninterrupted_one_bit_for_bit(node_loss, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run the resumed ones must follow: TINY_DP2 with no fault."""
+    return train(tmp_path_factory.mktemp("uninterrupted") / "run", *TINY_DP2)
+
+
+def test_the_resumed_run_follows_the_uninterrupted_one_bit_for_bit(node_loss, uninterrupted):
     run_dir, _ = node_loss
-    clean = train(tmp_path / "clean", *TINY_DP2)
-    np.testing.assert_array_equal(read_steps(run_dir, effective=True).loss.to_numpy(), clean.loss.to_numpy())
+    np.testing.assert_array_equal(read_steps(run_dir, effective=True).loss.to_numpy(), uninterrupted.loss.to_numpy())
+
+
+def test_an_agent_that_crashes_is_resumed_as_a_lost_node(tmp_path, uninterrupted):
+    """torchrun's agent dies of a segfault of its own at step 6 or later: its stacks reach the console, its
+    workers end with it, and `keel train` resumes the run, which still follows the uninterrupted one."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "keel.cli", "train", f"--run-dir={run_dir}", *TINY_DP2, "--checkpoint.async_save=false", NO_WANDB]
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONWARNINGS": "ignore"}
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+        try:
+            deadline = time.monotonic() + 120
+            while furthest_step(run_dir) < 6:
+                assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 6"
+                time.sleep(0.05)
+            [agent] = map(int, Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split())
+            os.kill(agent, signal.SIGSEGV)
+            stdout, stderr = proc.communicate(timeout=240)
+        finally:
+            if proc.poll() is None:  # a failed wait: stop the run with its torchrun and workers
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Fatal Python error: Segmentation fault" in stderr  # the agent's stacks
+    assert re.search(r"the node \(its agent and every worker\) ended by SIGSEGV after step \d+; resuming the run", stderr), stderr[-3000:]
+    assert len(read_events(run_dir).query("kind == 'node_loss'")) == 1
+    np.testing.assert_array_equal(read_steps(run_dir, effective=True).loss.to_numpy(), uninterrupted.loss.to_numpy())
 
 
 def test_mfu_s_peak_is_measured_once_per_run(node_loss):

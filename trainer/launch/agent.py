@@ -21,6 +21,7 @@ RUN_DIR/logs/agent.log, off the console.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -32,6 +33,8 @@ from pathlib import Path
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from keel.monitor.run_dir import AGENT_LOG, LOG_DIR
 from keel.trainer.launch.forked_worker import forked_main
@@ -120,6 +123,9 @@ def run_agent() -> int:
     if run_dir:
         os.environ[AGENT_PID_ENV] = str(os.getpid())
         _logs_off_console(Path(run_dir))
+        # A crash of the agent itself (a segfault in its rendezvous store, an abort) prints its threads'
+        # stacks; `keel train` sees the signal and resumes the run.
+        faulthandler.enable(all_threads=True)
     try:
         torchrun.main()
     except SystemExit as e:  # argparse's usage errors (2), or an explicit exit
@@ -127,9 +133,16 @@ def run_agent() -> int:
             return e.code or 0
         print(e.code, file=sys.stderr)
         return 1
-    except BaseException:  # a worker failed past its restarts (ChildFailedError), or a signal
+    except (ChildFailedError, SignalException, KeyboardInterrupt):  # a worker failed past its restarts, or a signal
         if run_dir:  # the console has had its line per failure; `keel train` says how the run ended
             logging.getLogger("torch").error("torchrun ended with a failure\n%s", traceback.format_exc())
+        else:
+            traceback.print_exc()
+        return 1
+    except BaseException as e:  # the agent's own failure: its rendezvous, starting the workers
+        if run_dir:
+            logging.getLogger("torch").error("torchrun's agent failed\n%s", traceback.format_exc())
+            print(f"keel train: torchrun's agent failed: {type(e).__name__}: {e}; see logs/{AGENT_LOG}", file=sys.stderr, flush=True)
         else:
             traceback.print_exc()
         return 1

@@ -2,8 +2,9 @@
 at the end, print the commands that show the run and upload its offline W&B runs.
 
 torchrun restarts failed workers as Keel's budget allows (keel.trainer.launch.restarts, decided in the agent).
-When the agent itself is killed (SIGKILL: the node's processes vanished), `keel train` resumes the run
-as a cluster scheduler would requeue it, under the same budget. When the budget is spent, it records
+When the agent itself dies of a signal (SIGKILL: the node's processes vanished; SIGSEGV or SIGABRT: the
+agent crashed, and its workers ended with it), `keel train` resumes the run as a cluster scheduler would
+requeue it, under the same budget. When the budget is spent, it records
 `run_stopped` with an alert and prints the command that resumes the run; a Ctrl-C records `run_stopped`
 too (no alert), so that the run reads stopped rather than killed.
 
@@ -282,13 +283,14 @@ def main(argv: list[str]) -> int:
 
 
 def run_torchrun(cmd: list[str], env: dict[str, str], run_dir: Path, max_restarts: int) -> int:
-    """torchrun's exit status, after resuming the run each time the agent itself was killed (the node's
-    processes vanished) while the restart budget allows it."""
+    """torchrun's exit status, after resuming the run each time the agent itself died of a signal (killed:
+    the node's processes vanished; or crashed) while the restart budget allows it. A signal the agent
+    handles (SIGTERM, SIGINT) ends it with an exit status, not by the signal: that stop is not resumed."""
     while True:
         started = time.time()
         # torchrun ends with this process (and its workers with torchrun): nothing trains on unwatched.
         code = subprocess.call(cmd, env=env, preexec_fn=end_with_parent)
-        if code != -signal.SIGKILL:
+        if code >= 0:
             return code
         failure = RestartBudget(run_dir, max_restarts).record(None, code, started)
         print(failure.console_line(max_restarts, "resuming the run as a scheduler would"), file=sys.stderr, flush=True)
