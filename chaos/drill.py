@@ -41,6 +41,8 @@ from keel.trainer.config import ConfigError, JobConfig
 from keel.trainer.launch.launcher import build_parser as train_parser
 from keel.trainer.launch.launcher import loop_layout_flags, parse_train_args, resolve_run_dir
 
+_LOG_TAIL_LINES = 12  # of a failed drill's run console, printed under the table
+
 
 @dataclass(frozen=True)
 class Drill:
@@ -348,8 +350,22 @@ def main(argv: list[str]) -> int:
         return EXIT_FAILED
     paths = write_report(setup, results)
     print(paths["table"], flush=True)
+    print_failures(setup.folder, results)
     print(f"report: {paths['md']}  (also {paths['json'].name}, {paths['png'].name})", flush=True)
     return EXIT_OK if all(r.status != "fail" for r in results) else EXIT_FAILED
+
+
+def print_failures(folder: Path, results: list[DrillResult]) -> None:
+    """Why each failed drill failed, and the last lines of its run's console: what a person (or a CI log,
+    the run directories gone) needs first."""
+    for r in results:
+        if r.status != "fail":
+            continue
+        print(f"{r.name} failed: {'; '.join(r.reasons)}", flush=True)
+        log = folder / "runs" / f"{r.name}.log"
+        if log.is_file():
+            tail = log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+            print(f"  the end of {log}:", *(f"  | {line}" for line in tail), sep="\n", flush=True)
 
 
 if __name__ == "__main__":

@@ -134,12 +134,16 @@ def test_a_straggler_is_named_in_a_dp2_drill(tmp_path):
 
 def test_a_drill_without_its_recovery_fails_and_says_why(tmp_path):
     """Rollback off: the NaNs are still skipped, but nothing restores the run. The drill must not pass it."""
-    code, report, folder, _ = drill(tmp_path / "job", *TINY, *SHORT_SPIKE, "--faults", "nan_param", "--recovery.rollback=false")
+    code, report, folder, output = drill(tmp_path / "job", *TINY, *SHORT_SPIKE, "--faults", "nan_param", "--recovery.rollback=false")
     [r] = report["results"]
     assert code == 1 and not report["passed"] and r["status"] == "fail"
     assert r["detected"] and not r["recovered"]
     assert "not recovered: no rollback after the fault (recovery.rollback is false in this job)" in r["reasons"]
     assert "**FAIL**" in (folder / "report.md").read_text()
+    # The console says why, and shows the end of the run's own console (a CI log keeps only this).
+    assert f"nan_param failed: {'; '.join(r['reasons'])}" in output
+    run_console = (folder / "runs" / "nan_param.log").read_text().splitlines()
+    assert "\n".join(f"  | {line}" for line in run_console[-12:]) in output
 
 
 def test_straggler_drills_do_not_apply_without_peers_in_a_stage(tmp_path):
