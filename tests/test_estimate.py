@@ -41,6 +41,14 @@ def test_llama_3_405b_is_a_lower_bound_of_the_published_hours():
     assert 0.85 * 30.84e6 < e.gpu_hours < 30.84e6
 
 
+def test_the_calibrated_default_gives_llama_3_405b_the_figures_the_docs_quote():
+    """docs/planning.md: without --mfu, Llama 3.1 405B on 16,384 H100s gets 51% and 23.4M GPU-hours (at 90%
+    goodput), a floor under Meta's 30.84M, since the calibrated efficiency counts no communication."""
+    got = json.loads(keel("estimate", "--params", "405B", "--tokens", "15.6T", "--gpu", "H100", "--gpus", "16384", "--json").stdout)
+    assert round(got["mfu"], 2) == 0.51 and got["goodput"] == 0.9
+    assert round(got["gpu_hours"] / 1e6, 1) == 23.4 and got["gpu_hours"] < 30.84e6
+
+
 @pytest.mark.parametrize(
     ("text", "value"), [("70B", 70e9), ("1.5T", 1.5e12), ("405e9", 405e9), ("8,000,000", 8e6), ("7000000000", 7e9), ("2k", 2e3)]
 )
