@@ -333,13 +333,15 @@ def test_prometheus_scraped_the_clean_run_throughout(runs):
     began, ended = clean.time.min(), clean.time.max()
     up = raw_samples(runs.prom, f'up{{instance="{runs.clean_target}"}}')
     while_training = up[(up.index >= began) & (up.index <= ended)]
-    # Scraped every second (the scrape interval) from the first step to the last: no failed scrape, no gap
-    # of more than 3 intervals (a loaded machine delays a scrape, it does not skip three).
+    # Scraped every second (the scrape interval) from the first step to the last: no gap of more than 3
+    # intervals between successful scrapes. A loaded machine delays a scrape, it does not skip three; it can
+    # time one out (the timeout is the interval: 1 s), which is not an exporter gone (one scrape in 324 failed
+    # once, three jobs on the 2 cores). An exporter that died or moved fails every scrape from then on.
     most_between_scrapes_s = 3.0
-    assert (while_training == 1).all(), while_training[while_training != 1]
-    assert len(while_training) >= 0.9 * (ended - began), f"{len(while_training)} scrapes in {ended - began:.0f} s of training"
-    gaps = pd.Series([began, *while_training.index, ended]).diff().dropna()
-    assert gaps.max() <= most_between_scrapes_s, f"no scrape for {gaps.max():.1f} s"
+    scraped = while_training[while_training == 1]
+    assert len(scraped) >= 0.9 * (ended - began), f"{len(scraped)} successful scrapes in {ended - began:.0f} s of training"
+    gaps = pd.Series([began, *scraped.index, ended]).diff().dropna()
+    assert gaps.max() <= most_between_scrapes_s, f"no successful scrape for {gaps.max():.1f} s: {while_training[while_training != 1]}"
     # And what it scraped is the clean run's: its step series began with the run and reached the step the run
     # had made that long before its last (Ctrl-C stops it between two scrapes).
     steps_seen = raw_samples(runs.prom, 'keel_step{run_id="clean"}')
