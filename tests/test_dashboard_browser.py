@@ -46,6 +46,7 @@ DRAWN = {
     "runs": "[data-testid='stDataFrame']", "run": ".keel-chart[data-drawn] >> nth=4", "events": "[data-testid='stDataFrame']",
     "drills": "text=Inject a fault into a running run", "compare": ".keel-chart[data-drawn]",
 }  # fmt: skip
+PLACEHOLDER = "[data-testid='stSkeleton']"
 
 
 @pytest.fixture(scope="module")
@@ -441,6 +442,9 @@ def test_every_page_renders_and_is_saved_as_a_screenshot(browser, dashboard, sho
         page = browser.new_page(viewport={"width": width, "height": 2400})
         page.goto(dashboard + path)
         page.locator(DRAWN[name]).first.wait_for(timeout=60_000)
+        # Streamlit draws a grey placeholder for each widget until the widget's code has loaded (seconds on a
+        # loaded machine): the page is drawn when none is left.
+        page.wait_for_function(f"() => !document.querySelector({PLACEHOLDER!r})", timeout=60_000)
         page.wait_for_timeout(500)  # a table's cells finish painting
         assert page.locator("[data-testid='stException']").count() == 0, name
         for table in page.locator("[data-testid='stDataFrame'] table").all():  # a missing value is an empty cell
