@@ -87,18 +87,21 @@ def promtool_test_file(rules: Path, series: list[dict], compression: float, chec
     return yaml.safe_dump(doc, sort_keys=False, width=1 << 20)
 
 
-def lowest_held_throughput(step_times: np.ndarray, window_s: float, baseline_s: float, for_s: float, every_s: float) -> float:
+def lowest_held_throughput(step_times: np.ndarray, start: float, window_s: float, baseline_s: float, for_s: float, every_s: float) -> float:
     """The throughput rule computed from a run's own record of its steps (when each ended), in the run's
     seconds: the lowest ratio of the steps a second over the last `window_s` to the rate over the
-    `baseline_s` that ended `baseline_s` ago that held for `for_s`, evaluated every `every_s`. NaN when the
-    run is too short for a baseline."""
-    times = np.sort(step_times) - np.min(step_times)
+    `baseline_s` that ended `baseline_s` ago that held for `for_s`, evaluated every `every_s` from `start`
+    (the replay's first scrape: its evaluations fall on the same instants). NaN when the run is too short
+    for a baseline."""
+    times = np.sort(step_times) - start
 
-    def rate(start: float, end: float) -> float:  # over the part of the window the run covers, as rate() does
-        start = max(start, 0.0)
-        return np.count_nonzero((times > start) & (times <= end)) / (end - start)
+    # As rate() does: the steps in the window over the window's whole length. A window that began before the
+    # run holds its steps only (rate() extrapolates a counter back no further than its zero), so a baseline
+    # the run covers half of reads half its rate.
+    def rate(since: float, until: float) -> float:
+        return np.count_nonzero((times > since) & (times <= until)) / (until - since)
 
-    moments = np.arange(baseline_s + window_s, times[-1], every_s)
+    moments = np.arange(every_s * math.ceil((baseline_s + window_s) / every_s), times[-1], every_s)
     ratios = np.array([rate(t - window_s, t) / rate(t - 2 * baseline_s, t - baseline_s) for t in moments])
     held = math.ceil(for_s / every_s) + 1
     if len(ratios) < held:
