@@ -60,7 +60,11 @@ from keel.monitor.store import read_events, read_steps, step_bounds
 # Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
 pytestmark = pytest.mark.slow
 
-NAN_STEP, SPIKE_STEP, HANG_STEP, STEPS = 40, 60, 1073, 1088
+NAN_STEP, SPIKE_STEP, HANG_STEP, STEPS = 40, 160, 1073, 1088
+# The replay sees a fault's alert a scrape (1 s) and a rule evaluation (a replayed minute: 2 s) after the
+# fault, and each fault's alert must have fired before the next fault begins: the spike comes 120 steps
+# after the NaN, 6 s at the fastest steps, twice that. (At 20 steps, 1.6 s on a loaded machine, the NaN's
+# alert once fired after the spike had begun.)
 # Timed for the replay of the shipped rules at COMPRESSION 30 (below), where a real second is half a minute,
 # on machines whose steps take 0.05 to 0.2 s (0.095 s on a quiet 2-core machine). The throughput rule
 # compares with the hour that ended an hour ago, so it can hold its 15 minutes only from 75 minutes on: the
