@@ -14,7 +14,8 @@ class EventKind(StrEnum):
     # The run's life (rank 0).
     RUN_STARTED = "run_started"  # a worker group started: layout, process start, restart count
     RUN_FINISHED = "run_finished"  # the last step ran
-    RUN_STOPPED = "run_stopped"  # ended on purpose (the rollback cap, a refused resume, Ctrl-C), with its exit code
+    RUN_STOPPED = "run_stopped"  # ended on purpose (the rollback cap, a refused resume, Ctrl-C, a preemption), with its exit code
+    PREEMPTED = "preempted"  # SIGTERM or SIGUSR1 from a scheduler: the step saved, the job ended inside the grace
     GOODPUT = "goodput"  # the run's goodput at its end
     SINKS_CLOSED = "sinks_closed"  # what each sink cost and lost, at close
     ALERT = "alert"  # an alert sent (keel.monitor.alerts)

@@ -18,6 +18,10 @@ EXIT_OOM_RESTART = 5  # out of memory with collectives in flight: restart with h
 EXIT_OOM = 6  # out of memory and the micro-batch cannot be halved again
 EXIT_RESTART_CAP = 7  # the workers failed too many times in a row without progress (keel.trainer.launch.restarts)
 EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as a shell reports it
+# Preempted (SIGTERM, or SIGUSR1 from SLURM's --signal): the current step saved, or the newest checkpoint
+# stands. 128 + SIGTERM, as a shell reports it, so a scheduler that retries signal exits (Kubeflow's
+# restartPolicy ExitCode: 128 and above) requeues it; `keel train --resume` continues at the saved step.
+EXIT_PREEMPTED = 143
 
 
 # Each code in a few words, for reports (a drill's verdict names how its run ended).
@@ -29,4 +33,6 @@ EXIT_MEANINGS = {
     EXIT_OOM_RESTART: "OOM restart",
     EXIT_OOM: "out of memory at the smallest micro-batch",
     EXIT_RESTART_CAP: "restart budget spent: failures in a row without progress",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+    EXIT_PREEMPTED: "preempted: saved, to be resumed",
 }

@@ -2,7 +2,8 @@
 
 Productive time is the step time of the effective trajectory (the rows `read_steps(effective=True)`
 keeps) minus the steps the NaN guard skipped. The lost time is kept by cause: steps recomputed after a
-rollback or restart, skipped steps, time down between a failure and the restart, hangs, the slower
+rollback or restart, skipped steps, time down between a failure and the restart, time between a
+preemption and the next start (a scheduler's queue), hangs, the slower
 steps of a micro-batch halved after an out-of-memory, checkpoint saves and loads, and "other" (start-up,
 idle, whatever the records do not explain).
 """
@@ -21,7 +22,7 @@ import pandas as pd
 from keel.monitor.event_kinds import EventKind
 from keel.monitor.store import abandoned_mask, read_events, read_steps
 
-CAUSES = ("recomputed", "skipped", "restart", "node_loss", "hang", "oom", "checkpoint", "other")
+CAUSES = ("recomputed", "skipped", "restart", "node_loss", "preempted", "hang", "oom", "checkpoint", "other")
 
 
 @dataclass
@@ -101,6 +102,18 @@ def _run_end(steps: pd.DataFrame, events: pd.DataFrame) -> float:
     return max((t for t in latest if not math.isnan(t)), default=math.nan)
 
 
+def _preempted_s(events: pd.DataFrame) -> float:
+    """From each preemption to the start of the next process (the scheduler's queue, the requeue)."""
+    if "kind" not in events or "time" not in events:
+        return 0.0
+    starts = sorted(_event_values(events, EventKind.RUN_STARTED, "process_start"))
+    total = 0.0
+    for stopped in events.loc[events["kind"] == EventKind.PREEMPTED, "time"]:
+        later = [s for s in starts if s > stopped]
+        total += (later[0] - stopped) if later else 0.0
+    return total
+
+
 def compute_goodput(steps: pd.DataFrame, events: pd.DataFrame, end_time: float | None = None) -> Goodput:
     """Goodput of a run from its step rows (all attempts, as `read_steps(run_dir)`) and its events.
 
@@ -130,6 +143,7 @@ def compute_goodput(steps: pd.DataFrame, events: pd.DataFrame, end_time: float |
         "restart": down - min(hang, down),
         # From the last step a vanished group recorded to the resumed one's start (node_loss.down_s).
         "node_loss": _duration_sum(events, EventKind.NODE_LOSS, "down_s"),
+        "preempted": _preempted_s(events),
         "hang": hang,
         "oom": oom,
         # A rollback's checkpoint load is also recorded by its checkpoint_loaded event, so rollback.load_s

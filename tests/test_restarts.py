@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -127,7 +128,10 @@ def test_a_crash_loop_stops_with_its_event_alert_and_resume_command(crash_loop):
 def test_each_failure_gets_one_console_line_naming_the_rank_and_none_of_torchrun_s_traceback(crash_loop):
     run_dir, proc = crash_loop
     lines = [line for line in proc.stderr.splitlines() if "ended by" in line and line.startswith("keel train: rank")]
-    assert len(lines) == 3 and all(line.startswith("keel train: rank 1 ended by SIGKILL after step 9") for line in lines), proc.stderr
+    host = socket.gethostname()
+    assert len(lines) == 3 and all(line.startswith(f"keel train: rank 1 on {host} ended by SIGKILL after step 9") for line in lines), (
+        proc.stderr
+    )
     assert "Traceback" not in proc.stderr and "torch/distributed" not in proc.stderr
     # Kept, in the logs: torchrun's traceback of each failure. Which rank's exception it names is a race: the
     # killed rank's exit (ProcessExitedException), or its peer's "connection closed" in a collective
@@ -160,7 +164,7 @@ def node_loss(tmp_path_factory):
 def test_a_node_loss_is_resumed_recorded_with_its_gap_and_counted_as_lost_time(node_loss):
     run_dir, proc = node_loss
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "the node (its agent and every worker) ended by SIGKILL after step 6" in proc.stderr
+    assert f"the node on {socket.gethostname()} (its agent and every worker) ended by SIGKILL after step 6" in proc.stderr
     events = read_events(run_dir)
     [loss] = events[events.kind == "node_loss"].itertuples()
     assert loss.step == 4 and loss.data["last_step"] == 6 and loss.data["down_s"] > 0
@@ -199,7 +203,9 @@ def test_an_agent_that_crashes_is_resumed_as_a_lost_node(tmp_path, uninterrupted
                 os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, stderr[-3000:]
     assert "Fatal Python error: Segmentation fault" in stderr  # the agent's stacks
-    assert re.search(r"the node \(its agent and every worker\) ended by SIGSEGV after step \d+; resuming the run", stderr), stderr[-3000:]
+    assert re.search(r"the node on \S+ \(its agent and every worker\) ended by SIGSEGV after step \d+; resuming the run", stderr), stderr[
+        -3000:
+    ]
     assert len(read_events(run_dir).query("kind == 'node_loss'")) == 1
     np.testing.assert_array_equal(read_steps(run_dir, effective=True).loss.to_numpy(), uninterrupted.loss.to_numpy())
 

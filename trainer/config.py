@@ -197,6 +197,9 @@ class ParallelConfig:
     # Both are ignored at tp 1, so a job resumed on fewer ranks keeps its config.
     sequence_parallel: bool = False  # tp > 1: norms and residual stream split by sequence over the tp ranks (Korthikanti et al. 2022)
     loss_parallel: bool = False  # tp > 1: the loss on each rank's vocabulary columns, logits never gathered (TorchTitan's loss parallel)
+    # Set by `keel train --nnodes MIN:MAX` to the full job's dp: a world that lost nodes trains at the largest
+    # dp it holds (pp and tp kept), with the same global batch in more micro-batches of the same size. 0: fixed.
+    elastic_dp: int = 0
 
     @property
     def n_stages(self) -> int:
@@ -265,8 +268,17 @@ class CheckpointConfig:
     keep: int = 3  # the newest K checkpoints are kept ...
     keep_lookback_steps: int = 200  # ... plus one at least this many steps older (under twice that), for a rollback past them
     async_save: bool = True  # training goes on while the shards are written
+    # On SIGTERM or SIGUSR1 (a preemption: SLURM, Kubernetes) the run saves the current step and ends within
+    # this many seconds; a save that cannot finish in time leaves the newest complete checkpoint. Keep it
+    # under the scheduler's own grace (SLURM's KillWait and Kubernetes' terminationGracePeriodSeconds: 30).
+    preempt_grace_s: float = 20.0
 
     def validate(self) -> None:
+        if not self.preempt_grace_s > 0:
+            raise ConfigError(
+                f"checkpoint.preempt_grace_s={self.preempt_grace_s}: must be positive (seconds); "
+                "keep it under the scheduler's grace, 30 s by default"
+            )
         at_least("checkpoint.interval_steps", self.interval_steps, 0, "0 turns step-based saves off")
         at_least("checkpoint.interval_minutes", self.interval_minutes, 0, "0 turns time-based saves off")
         at_least("checkpoint.keep", self.keep, 1)
@@ -511,6 +523,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         except ValueError as e:  # the spike, straggler and fault-spec checks live outside keel.trainer: plain ValueError
             raise ConfigError(str(e)) from None
     validate_runnable(cfg)
+    fit_elastic_world(cfg, world_size)
     par = cfg.parallel
     if world_size is not None and world_size != cfg.world_size:
         raise ConfigError(
@@ -519,6 +532,25 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         )
     validate_layout(cfg)
     _validate_eval_data(cfg)
+
+
+def fit_elastic_world(cfg: JobConfig, world_size: int | None) -> None:
+    """An elastic job (parallel.elastic_dp) at the dp its world holds: `world_size` processes, or the full
+    job's where None (the launcher). The micro-batch keeps its size, so the global batch, the LR schedule
+    and the data order stay the run's; only the number of micro-batches changes."""
+    par, train = cfg.parallel, cfg.training
+    if not par.elastic_dp:
+        return
+    world_size = world_size or par.pp * par.elastic_dp * par.tp
+    if world_size % (par.pp * par.tp):
+        raise ConfigError(f"{world_size} processes: an elastic job keeps pp*tp = {par.pp * par.tp}, which they do not divide")
+    dp, rows = world_size // (par.pp * par.tp), cfg.microbatch_rows
+    if train.global_batch_size % (dp * rows):
+        raise ConfigError(
+            f"training.global_batch_size={train.global_batch_size}: at dp {dp} it is no whole number of micro-batches of "
+            f"{rows} sequences; choose a global batch that dp {dp} and dp {par.elastic_dp} both divide"
+        )
+    par.dp, train.microbatches = dp, train.global_batch_size // (dp * rows)
 
 
 def _validate_eval_data(cfg: JobConfig) -> None:

@@ -6,11 +6,13 @@ hold no recorder), so the train loop calls them unconditionally.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict
 
 from keel.monitor.alerts import Alert
 from keel.monitor.detectors import Finding
 from keel.monitor.event_kinds import EventKind
+from keel.monitor.exits import EXIT_PREEMPTED
 from keel.monitor.recorder import RunRecorder
 from keel.trainer.checkpoint.checkpointer import Restored, SaveResult
 from keel.trainer.launch.restarts import Failure
@@ -256,6 +258,19 @@ class Incidents:
 
     def note(self, message: str, step: int, attempt: int, data: dict) -> None:
         self._note(EventKind.NOTE, message, step=step, attempt=attempt, rank=0, data=data or None)
+
+    def preempted(self, step: int, attempt: int, cause: str, requested: float | None) -> None:
+        """The run saved `step` and stops for a preemption (`cause`: the signal and whom it reached):
+        `preempted` (a warning) and `run_stopped` with EXIT_PREEMPTED, without an alert: the scheduler
+        requeues the job, and the resume starts after `step`."""
+        took = f" in {time.time() - requested:.1f} s" if requested else ""
+        saved = f"step {step} saved{took}" if step else "before the first step, nothing to save"
+        message = f"preempted ({cause}): {saved}; the resume starts at step {step + 1}"
+        data = {"signal": cause, "saved_step": step, "lost_steps": 0, "exit_code": EXIT_PREEMPTED}
+        self._note(EventKind.PREEMPTED, message, "warning", step=step, attempt=attempt, data=data)
+        reason = f"preempted ({cause})"
+        stopped = {"exit_code": EXIT_PREEMPTED, "reason": reason}
+        self._note(EventKind.RUN_STOPPED, f"run stopped at step {step}: {reason}", "warning", step=step, attempt=attempt, data=stopped)
 
     def stopped(self, step: int, attempt: int, reason: str, exit_code: int) -> None:
         self._note(

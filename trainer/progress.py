@@ -52,8 +52,11 @@ class ProgressLine:
         self.stream.write(f"\r{line}\n" if self.tty else line + "\n")
         self.stream.flush()
 
-    def finish(self) -> None:
+    def finish(self, stopped_at: int | None = None) -> None:
+        """The last line: the run done, or stopped (a preemption, the rollback cap) after step `stopped_at`."""
         if self.tty:
             self.stream.write("\n")
-        self.stream.write(f"done: {self.total} steps in {_duration(time.time() - self.run_began)}\n")
+        took = _duration(time.time() - self.run_began)
+        done = f"done: {self.total} steps" if stopped_at is None else f"stopped after step {stopped_at} of {self.total}"
+        self.stream.write(f"{done} in {took}\n")
         self.stream.flush()

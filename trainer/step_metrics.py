@@ -132,16 +132,18 @@ class StepReporter:
         self.last_comm_share: float | None = 0.0 if world == 1 else None
         self.step_end = time.perf_counter()
         self.busy_s: list[float] = []
+        self.preempt_signals: dict[int, int] = {}  # rank -> the signal that asked it to preempt, at the last step
         self.allocated_peaks = torch.full((world,), math.nan, dtype=torch.float64)  # per rank, over the profiled steps
 
     def restart_clock(self) -> None:
         """Time spent since the last step (a checkpoint save, a rollback) is not counted in the next step."""
         self.step_end = time.perf_counter()
 
-    def report(self, numbers: StepNumbers) -> tuple[dict, list[int]]:
+    def report(self, numbers: StepNumbers, preempt_signal: int = 0) -> tuple[dict, list[int]]:
         """Returns the agreed step row and the ranks that injected a fault this step (the same on every
         rank). Where communication was measured, also sets `busy_s`: per rank, step time minus
-        communication time (NaN for a rank that measured none)."""
+        communication time (NaN for a rank that measured none). `preempt_signal`: the signal that asked
+        this rank to preempt the run (0: none); every rank's is in `preempt_signals` (rank -> signal)."""
         now = time.perf_counter()
         step_time, self.step_end = now - self.step_end - numbers.eval_s, now
         step, attempt, loss, comm_time = numbers.step, numbers.attempt, numbers.loss, numbers.comm_time
@@ -155,8 +157,11 @@ class StepReporter:
             float(numbers.faults_fired),
             time.time(),
             math.nan if numbers.allocated_peak is None else float(numbers.allocated_peak),
+            float(preempt_signal),
         ]
-        has_loss, losses, step_times, comm_times, data_times, mems, faults, clocks, allocated = gather_rows(mine, self.device, self.world).T
+        gathered = gather_rows(mine, self.device, self.world).T
+        has_loss, losses, step_times, comm_times, data_times, mems, faults, clocks, allocated, preempts = gathered
+        self.preempt_signals = {rank: int(sig) for rank, sig in enumerate(preempts.tolist()) if sig}
         self._keep_allocated_peaks(allocated)
         slowest = float(step_times.max())  # a synchronous step is as slow as its slowest rank
         tokens_per_s = self.tokens_per_step / slowest

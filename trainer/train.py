@@ -17,7 +17,7 @@ import torch.distributed as dist
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK
 from keel.monitor.run_dir import STORE_FILE
 from keel.monitor.store import DATA_SOURCES_META, read_meta
-from keel.trainer import exposed_comm, flops, oom
+from keel.trainer import exposed_comm, flops, oom, preemption
 from keel.trainer.checkpoint.checkpointer import WholeModel, manifest_info
 from keel.trainer.config import ConfigError, JobConfig
 from keel.trainer.data.blend import open_job_data
@@ -291,6 +291,7 @@ class Trainer:
 
 def main(argv: list[str] | None = None) -> int:
     process_start = time.time()
+    preemption.notice.watch()  # first: it must see the process before any other thread exists
     world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
     try:
         cfg, _ = parse_train_args(sys.argv[1:] if argv is None else argv, world_size=world)

@@ -21,10 +21,13 @@ RUN_DIR/logs/agent.log, off the console.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import multiprocessing
 import os
+import signal
+import socket
 import sys
 import time
 import traceback
@@ -36,12 +39,14 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from keel.monitor.exits import EXIT_PREEMPTED
 from keel.monitor.run_dir import AGENT_LOG, LOG_DIR
+from keel.trainer.launch.failure_board import FailureBoard
 from keel.trainer.launch.forked_worker import forked_main
 from keel.trainer.launch.restarts import RUN_DIR_ENV, TORCHRUN_MAX_RESTARTS, RestartBudget
+from keel.trainer.preemption import AGENT_PID_ENV, PREEMPT_SIGNALS, note_signal
 
 WORKER_MODULE = "keel.trainer.train"
-AGENT_PID_ENV = "KEEL_AGENT_PID"  # the agent's pid, for the workers: what a node_loss fault kills
 
 
 def keel_config(config_from_args):
@@ -55,6 +60,7 @@ def keel_config(config_from_args):
             budget = RestartBudget(run_dir, config.max_restarts)
             config.max_restarts = TORCHRUN_MAX_RESTARTS
             LocalElasticAgent._monitor_workers = budgeted(LocalElasticAgent._monitor_workers, budget)
+            LocalElasticAgent._start_workers = passing_preemption_on(LocalElasticAgent._start_workers)
         if not (args.module and args.training_script == WORKER_MODULE):
             return config, cmd, cmd_args
         multiprocessing.get_context("forkserver").set_forkserver_preload(["keel.trainer.launch.fork_server"])
@@ -65,24 +71,76 @@ def keel_config(config_from_args):
 
 
 def budgeted(monitor_workers, budget: RestartBudget):
-    """torchrun's monitor of the worker group, with Keel's decision after each failure: the failure is
-    attributed and recorded, one line goes to the console, and a spent budget stops torchrun's restarts."""
+    """torchrun's monitor of the worker group, with Keel's decision after each failure, agreed by every
+    node (keel.trainer.launch.failure_board): the failure is attributed and recorded once for the job,
+    the node that recorded it prints its one console line, and a spent budget stops every node's restarts."""
     since = time.time()
+    board = FailureBoard(budget, socket.gethostname())
+    joined = [None]  # the store of the round this node last joined
 
     def monitor(agent: LocalElasticAgent, worker_group):
         nonlocal since
         result = monitor_workers(agent, worker_group)
+        store, key = worker_group.store, _round_key(agent, worker_group)
+        ranks = [w.global_rank for w in worker_group.workers]
+        if joined[0] is not store:
+            board.joined(store, key, worker_group.group_rank, worker_group.group_world_size, ranks)
+            joined[0] = store
         if result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY) or not result.failures:
+            if result.state == WorkerState.HEALTHY:
+                board.still_running(store, key, ranks)
             return result
         exits = _exit_statuses(agent, worker_group, result.failures)
-        failure = budget.record(exits, 0, since)
+        if _preempting or EXIT_PREEMPTED in exits.values():  # the run was stopping for a preemption: no failure
+            agent._remaining_restarts = 0
+            return result
+        failure, recorded_here = board.failed(store, key, ranks, exits, since)
         since = failure.time
-        print(failure.console_line(budget.max_in_a_row), file=sys.stderr, flush=True)
+        if recorded_here:
+            print(failure.console_line(budget.max_in_a_row), file=sys.stderr, flush=True)
         if failure.gave_up:
             agent._remaining_restarts = 0  # torchrun stops the group and returns the failure
         return result
 
     return monitor
+
+
+_preempting = False  # whether this node's agent has passed a preemption on to its workers
+
+
+def passing_preemption_on(start_workers):
+    """torchrun's start of the workers, after which a preemption (SIGTERM or SIGUSR1 to the agent, alone or
+    with its process group) is passed on to the workers as SIGUSR1, so that they save and end within the
+    grace (keel.trainer.preemption), instead of torchrun's own handling: SIGTERM to the workers at once,
+    which they read as being stopped. torchrun sets its handlers at every start, hence here."""
+
+    def start(agent: LocalElasticAgent, worker_group):
+        pids = start_workers(agent, worker_group)
+
+        def pass_on(signum, frame):
+            global _preempting
+            if not _preempting:
+                print(f"keel train: {signal.Signals(signum).name}: saving the current step, then stopping", file=sys.stderr, flush=True)
+                note_signal(os.environ[RUN_DIR_ENV], signum)
+            _preempting = True
+            for pid in pids.values():  # the pids, not the agent: a handler holding it kept torch's queues alive
+                with contextlib.suppress(ProcessLookupError):  # a worker that has just ended
+                    os.kill(pid, signal.SIGUSR1)
+
+        for sig in PREEMPT_SIGNALS:
+            signal.signal(sig, pass_on)
+        return pids
+
+    return start
+
+
+def _round_key(agent: LocalElasticAgent, worker_group) -> str:
+    """The key of this rendezvous round's failure in the round's store. torch's c10d rendezvous gives every
+    round a store of its own; the static one (--standalone, --master-addr) shares one store across its
+    rounds, whose agents restart together: there the restart count tells the rounds apart."""
+    if hasattr(worker_group.spec.rdzv_handler, "_state_holder"):
+        return "keel/failure"
+    return f"keel/failure/{worker_group.spec.max_restarts - agent._remaining_restarts}"
 
 
 def _exit_statuses(agent: LocalElasticAgent, worker_group, failures: dict) -> dict[int, int]:

@@ -9,7 +9,15 @@ death ending the server, the workers, which end with their parent (keel.trainer.
 
 from __future__ import annotations
 
+import signal
+
 import keel.trainer.train  # noqa: F401  (what every worker is forked with)
 from keel.trainer.launch.lifetime import end_with_parent
+from keel.trainer.preemption import PREEMPT_SIGNALS
 
-end_with_parent()
+# A preemption's SIGTERM or SIGUSR1 to the process group reaches the server too: it must not end it, for
+# the agent reads each worker's exit status through the server (it would read 255 for every one). The
+# workers take these signals back (keel.trainer.preemption); the server still ends with the agent.
+for sig in PREEMPT_SIGNALS:
+    signal.signal(sig, signal.SIG_IGN)
+end_with_parent(signal.SIGKILL)

@@ -19,6 +19,7 @@ import os
 import secrets
 import shlex
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -26,9 +27,9 @@ import time
 from pathlib import Path
 
 from keel.monitor.event_kinds import EventKind
-from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, EXIT_RESTART_CAP
+from keel.monitor.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_HANG, EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, EXIT_RESTART_CAP
 from keel.monitor.redact import REDACTED
-from keel.monitor.run_dir import CONFIG_FILE, DUMP_DIR, STORE_FILE, wandb_offline_runs
+from keel.monitor.run_dir import CONFIG_FILE, CONTROL_DIR, DUMP_DIR, STORE_FILE, wandb_offline_runs
 from keel.monitor.run_lock import RunDirBusy, check_free
 from keel.monitor.store import RunStore, last_event, step_bounds
 from keel.trainer.checkpoint.manifest import config_record, newest_manifest, vet_resume
@@ -37,9 +38,10 @@ from keel.trainer.data.blend import open_job_data
 from keel.trainer.data.documents import eod_to_mask
 from keel.trainer.data.validation import split_for_validation
 from keel.trainer.launch.lifetime import end_with_parent
-from keel.trainer.launch.restarts import RUN_DIR_ENV, Failure, RestartBudget, last_failure
+from keel.trainer.launch.restarts import RUN_DIR_ENV, Failure, Node, RestartBudget, ended_unrecorded, furthest_step, last_failure
 from keel.trainer.model_args import allocated_params, model_args
 from keel.trainer.planning.memory_model import MODEL_STATE_BYTES_PER_PARAM
+from keel.trainer.preemption import PREEMPT_SIGNALS, note_signal, take_signal_note
 
 # Flags passed through to torchrun so that the same command spans machines.
 TORCHRUN_OPTIONS = (
@@ -87,8 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue RUN_DIR from its newest good checkpoint, with its config.toml "
         "(flags and overrides given here still apply, e.g. --steps to train longer)",
     )
+    p.add_argument(
+        "--reset-restarts",
+        dest="reset_restarts",
+        action="store_true",
+        help="with --resume: the failures so far no longer count against --max-restarts (after fixing what made the run give up)",
+    )
     tr = p.add_argument_group("torchrun (multi-node)")
-    tr.add_argument("--nnodes", type=int, default=1)
+    tr.add_argument(
+        "--nnodes",
+        type=node_range,
+        default=(1, 1),
+        metavar="N or MIN:MAX",
+        help="nodes of the job; MIN:MAX: a job that lost nodes goes on with MIN or more, at a smaller dp (pp x tp kept, "
+        "the same global batch in more micro-batches), and grows back when they return",
+    )
     tr.add_argument("--node-rank", dest="node_rank", type=int)
     tr.add_argument("--rdzv-endpoint", dest="rdzv_endpoint")
     tr.add_argument("--rdzv-backend", dest="rdzv_backend")
@@ -105,6 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
         "a failure after progress starts the count again; default 3",
     )
     return p
+
+
+def node_range(text: str) -> tuple[int, int]:
+    """`--nnodes` as torchrun takes it: N, or MIN:MAX for an elastic job."""
+    low, _, high = text.partition(":")
+    try:
+        low, high = int(low), int(high or low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}': give a number of nodes (2) or a range (1:2)") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"'{text}': nodes must be at least 1, and MIN at most MAX (1:2)")
+    return low, high
 
 
 def _dotted_overrides(extra: list[str]) -> list[str]:
@@ -129,6 +156,9 @@ def _dotted_overrides(extra: list[str]) -> list[str]:
 def parse_train_args(argv: list[str], world_size: int | None = None) -> tuple[JobConfig, argparse.Namespace]:
     """The validated JobConfig and the parsed flags. Raises ConfigError on any bad input."""
     opts, extra = build_parser().parse_known_args(argv)
+    opts.min_nodes, opts.nnodes = opts.nnodes
+    if opts.reset_restarts and not opts.resume:
+        raise ConfigError("--reset-restarts: only with --resume RUN_DIR (a new run has no failures to forget)")
     if opts.max_restarts < 0:
         raise ConfigError(f"--max-restarts={opts.max_restarts}: must be 0 or more (0: stop at the first failure)")
     overrides = [f"{SHORT_FLAGS[k]}={getattr(opts, k)}" for k in SHORT_FLAGS if getattr(opts, k) is not None]
@@ -141,6 +171,8 @@ def parse_train_args(argv: list[str], world_size: int | None = None) -> tuple[Jo
         source = str(resume_config(opts.resume))
         overrides += [f"run.run_dir={opts.resume}", "run.resume=true"]
     cfg = load_config(source, _dotted_overrides(extra) + overrides)
+    if opts.min_nodes < opts.nnodes and not cfg.parallel.elastic_dp:
+        cfg.parallel.elastic_dp = cfg.parallel.dp  # the full job's; fewer nodes train at a smaller dp
     if opts.resume:
         _forget_redacted_secrets(cfg)
     validate(cfg, world_size)
@@ -187,16 +219,17 @@ def resolve_run_dir(cfg: JobConfig) -> None:
 
 
 def name_multi_node_run(cfg: JobConfig, opts: argparse.Namespace) -> None:
-    """Every node's launcher must name the same run: without --run-dir each would make up its own, and the
-    ranks would write their shards and logs to different directories. The rendezvous id names it."""
-    if opts.nnodes == 1 or cfg.run.run_dir or cfg.run.run_id:
+    """Every node's launcher must name the same run: the same directory (without --run-dir each would make
+    up its own, and the ranks would write their shards and logs to different places) and the same run id
+    (the one its alerts and W&B carry). The rendezvous id names it, or else the run directory."""
+    if opts.nnodes == 1 or cfg.run.run_id:
         return
-    if not opts.rdzv_id:
+    if not opts.rdzv_id and not cfg.run.run_dir:
         raise ConfigError(
             f"--nnodes={opts.nnodes} without --run-dir: each node would write a run directory of its own; "
             "give every node the same --run-dir (on a shared filesystem) or the same --rdzv-id"
         )
-    cfg.run.run_id = opts.rdzv_id
+    cfg.run.run_id = opts.rdzv_id or Path(cfg.run.run_dir).name
 
 
 def check_model_fits(cfg: JobConfig, nnodes: int) -> None:
@@ -227,7 +260,7 @@ def torchrun_command(cfg: JobConfig, opts: argparse.Namespace, worker_argv: list
         "-m",
         "keel.trainer.launch.agent",
         f"--nproc-per-node={cfg.world_size // opts.nnodes}",
-        f"--nnodes={opts.nnodes}",
+        f"--nnodes={opts.min_nodes}:{opts.nnodes}",
     ]
     if opts.nnodes == 1 and not opts.rdzv_endpoint and not opts.master_addr:
         cmd.append("--standalone")  # a free local port, no fixed 29500 to collide on
@@ -246,7 +279,8 @@ def main(argv: list[str]) -> int:
         name_multi_node_run(cfg, opts)
         resolve_run_dir(cfg)
         check_run_dir(cfg.run.run_dir)
-        check_free(cfg.run.run_dir)  # a trainer still on this run (a resume beside it) is refused here
+        if opts.nnodes == 1:  # a trainer still on this run (a resume beside it) is refused here; a node that
+            check_free(cfg.run.run_dir)  # joins a running job finds rank 0's lock held, as it should
         # A missing, empty or too-wide data file fails here, once, not in every worker.
         data = open_job_data(cfg)
         split_for_validation(cfg, data, model_args(cfg).vocab_size)  # validation data that cannot serve fails here too
@@ -260,6 +294,12 @@ def main(argv: list[str]) -> int:
         return EXIT_CONFIG
     run_dir = Path(cfg.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.run.resume and (opts.node_rank or 0) == 0:  # one node decides for the job
+        budget = RestartBudget(run_dir, opts.max_restarts)
+        if opts.reset_restarts:
+            budget.reset()
+        elif ended_unrecorded(run_dir) and count_vanished_start(cfg, budget):
+            return EXIT_RESTART_CAP
     if layout_change:
         print(f"keel train: {layout_change}")
     print(
@@ -270,34 +310,70 @@ def main(argv: list[str]) -> int:
     # ignores SIGINT, yet torchrun handles it anyway and stops the workers, so this process must too.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        code = run_torchrun(cmd, {**worker_env(cfg, opts, run_dir), RUN_DIR_ENV: str(run_dir)}, run_dir, opts.max_restarts)
+        code = run_torchrun(cmd, {**worker_env(cfg, opts, run_dir), RUN_DIR_ENV: str(run_dir)}, run_dir, opts.max_restarts, opts.nnodes)
     except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the workers
         record_interrupt(run_dir)
         return EXIT_INTERRUPTED
     code = exit_code_of_run(run_dir, code)
+    if preempted_by and code not in (EXIT_OK, EXIT_PREEMPTED):
+        code = record_unsaved_preemption(run_dir, *preempted_by[0])
+    if code == EXIT_PREEMPTED:
+        print(preemption_line(run_dir), file=sys.stderr)
     if code == EXIT_RESTART_CAP:
-        report_give_up(cfg, run_dir, last_failure(run_dir))
+        failure = last_failure(run_dir)
+        if claim_once(run_dir, f"gave-up-{failure.restart}"):  # every node's launcher ends here; one reports
+            report_give_up(cfg, run_dir, failure)
+        else:
+            print(f"keel train: stopped: the job's restart budget is spent ({failure.describe()})", file=sys.stderr)
     for line in next_commands(run_dir):
         print(line)
     return code
 
 
-def run_torchrun(cmd: list[str], env: dict[str, str], run_dir: Path, max_restarts: int) -> int:
+def run_torchrun(cmd: list[str], env: dict[str, str], run_dir: Path, max_restarts: int, nnodes: int = 1) -> int:
     """torchrun's exit status, after resuming the run each time the agent itself died of a signal (killed:
     the node's processes vanished; or crashed) while the restart budget allows it. A signal the agent
-    handles (SIGTERM, SIGINT) ends it with an exit status, not by the signal: that stop is not resumed."""
+    handles (SIGTERM, SIGINT) ends it with an exit status, not by the signal: that stop is not resumed.
+    On one of several nodes the agent is started again, to join the job's next rendezvous round as a
+    replaced node would; the job's other nodes count the failure."""
     while True:
         started = time.time()
         # torchrun ends with this process (and its workers with torchrun): nothing trains on unwatched.
-        code = subprocess.call(cmd, env=env, preexec_fn=end_with_parent)
-        if code >= 0:
+        code = _wait_passing_preemption_on(subprocess.Popen(cmd, env=env, preexec_fn=end_with_parent), run_dir)
+        if code >= 0 or preempted_by:
             return code
-        failure = RestartBudget(run_dir, max_restarts).record(None, code, started)
+        if nnodes > 1:  # the job goes on without this node; the other nodes record its loss (failure_board)
+            print(f"keel train: this node's agent ended by {signal.Signals(-code).name}; rejoining the job", file=sys.stderr, flush=True)
+            continue
+        failure = RestartBudget(run_dir, max_restarts).record(None, code, started, {0: Node(socket.gethostname(), [], False)})
         print(failure.console_line(max_restarts, "resuming the run as a scheduler would"), file=sys.stderr, flush=True)
         if failure.gave_up:
             return EXIT_FAILED
         if "--run.resume=true" not in cmd:
             cmd = [*cmd, "--run.resume=true"]  # the new workers must load the newest checkpoint
+
+
+preempted_by: list[tuple[int, float]] = []  # (the signal, when) that preempted this launcher
+
+
+def _wait_passing_preemption_on(agent: subprocess.Popen, run_dir: Path) -> int:
+    """The agent's exit status. A preemption (SIGTERM: Kubernetes, SLURM; SIGUSR1: SLURM's --signal) to this
+    process is passed on to the agent as SIGUSR1, which passes it to the workers: they save the current
+    step and end (keel.trainer.preemption). A signal to the whole process group reaches the agent too."""
+
+    def pass_on(signum, frame):
+        if not preempted_by:
+            preempted_by.append((signum, time.time()))
+            note_signal(run_dir, signum)
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGUSR1)
+
+    previous = {sig: signal.signal(sig, pass_on) for sig in PREEMPT_SIGNALS}
+    try:
+        return agent.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def record_interrupt(run_dir: Path) -> None:
@@ -313,6 +389,61 @@ def record_interrupt(run_dir: Path) -> None:
             step=None if bounds is None else bounds[1],
             data={"exit_code": EXIT_INTERRUPTED, "reason": "interrupted (Ctrl-C)"},
         )
+
+
+def count_vanished_start(cfg: JobConfig, budget: RestartBudget) -> bool:
+    """The run's last start vanished without a record (its node lost, the job killed; a scheduler's requeue
+    or a person resumes it): a failure of the run's budget, so that a loop of starts that die, driven by a
+    scheduler, stops too. Returns whether the budget is spent (then reported, and nothing starts)."""
+    run_dir = budget.run_dir
+    failure = budget.record(None, -signal.SIGKILL, time.time(), {0: Node("an unknown host", [], False)})
+    if not failure.gave_up:
+        return False
+    print(failure.console_line(budget.max_in_a_row), file=sys.stderr, flush=True)
+    if claim_once(run_dir, f"gave-up-{failure.restart}"):
+        report_give_up(cfg, run_dir, failure)
+    return True
+
+
+def preemption_line(run_dir: Path) -> str:
+    """The console's line for a preempted run: what was saved, what was lost, and how to go on."""
+    found = last_event(run_dir, [EventKind.PREEMPTED])
+    data = found[1] if found else {"signal": "a signal", "saved_step": 0, "lost_steps": 0}
+    lost = f", {data['lost_steps']} steps since lost" if data["lost_steps"] else ""
+    return (
+        f"keel train: preempted by {data['signal']}: step {data['saved_step']} saved{lost}; "
+        f"exit code {EXIT_PREEMPTED}; resume: keel train --resume {_shown(run_dir)}"
+    )
+
+
+def record_unsaved_preemption(run_dir: Path, signum: int, when: float) -> int:
+    """A preemption whose save did not finish within the grace (the workers ended without recording it):
+    `preempted` and `run_stopped` with the steps it costs, the newest complete checkpoint standing."""
+    found = newest_manifest(str(run_dir))
+    saved = int(found[1]["step"]) if found else 0
+    with RunStore(run_dir) as store:
+        last = furthest_step(run_dir)
+        name = take_signal_note(run_dir) or signal.Signals(signum).name
+        message = (
+            f"preempted ({name}): the save did not finish in {time.time() - when:.0f} s; step {saved} stands, {last - saved} steps lost"
+        )
+        data = {"signal": name, "saved_step": saved, "lost_steps": last - saved, "exit_code": EXIT_PREEMPTED}
+        store.write_event(EventKind.PREEMPTED, message, severity="warning", step=saved, data=data)
+        stopped = {"exit_code": EXIT_PREEMPTED, "reason": f"preempted ({name})"}
+        store.write_event(EventKind.RUN_STOPPED, f"run stopped: preempted ({name})", severity="warning", step=last, data=stopped)
+    return EXIT_PREEMPTED
+
+
+def claim_once(run_dir: Path, name: str) -> bool:
+    """Whether this process is the first of the job's launchers to claim `name` (an atomic create in the
+    shared run directory): what happens once per job, not once per node."""
+    path = run_dir / CONTROL_DIR / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def report_give_up(cfg: JobConfig, run_dir: Path, failure: Failure) -> None:
@@ -396,7 +527,8 @@ def _shown(path: Path) -> str:
 
 def _strip_torchrun_values(argv: list[str]) -> list[str]:
     """argv without the torchrun flags (and their values), which the workers must not see."""
-    flags = {f"--{name.replace('_', '-')}" for name in TORCHRUN_OPTIONS}
+    # --nnodes stays: a worker of an elastic job (MIN:MAX) learns from it that its world may be smaller.
+    flags = {f"--{name.replace('_', '-')}" for name in TORCHRUN_OPTIONS if name != "nnodes"}
     out, skip = [], False
     for arg in argv:
         if skip:

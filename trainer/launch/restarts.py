@@ -28,12 +28,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from keel.chaos.kinds import KINDS
+from keel.monitor.event_kinds import EventKind
 from keel.monitor.exits import EXIT_HANG, EXIT_MEANINGS, EXIT_OOM, EXIT_OOM_RESTART
-from keel.monitor.run_dir import AGENT_LOG, CHAOS_DIR, FAILURES_FILE, INJECTED_FILE, STORE_FILE, rank_log_name
-from keel.monitor.store import step_bounds
+from keel.monitor.run_dir import AGENT_LOG, CHAOS_DIR, CONTROL_DIR, FAILURES_FILE, INJECTED_FILE, STORE_FILE, rank_log_name
+from keel.monitor.store import last_event, step_bounds
 
 # `keel train` names the run directory to its agent, which then restarts by this budget.
 RUN_DIR_ENV = "KEEL_RUN_DIR"
+# Written by --reset-restarts: the number of failure records that no longer count.
+RESET_FILE = Path(CONTROL_DIR) / "restarts-reset"
 # torchrun's own count of restarts, over the agent's life: set out of reach when Keel's budget decides.
 TORCHRUN_MAX_RESTARTS = 1_000_000
 
@@ -54,6 +57,8 @@ class Failure:
     fault_step: int = 0  # ... and the step it was injected at
     in_a_row: int = 1  # failures in a row without progress, this one included
     gave_up: bool = False
+    host: str = ""  # the host of the node where it failed ("" in records older than multi-node attribution)
+    node: int | None = None  # that node's rank in the job (torchrun's group rank)
 
     def cause(self) -> str:
         """'SIGSEGV', 'exit code 3 (hang)', ... in a few words."""
@@ -68,8 +73,9 @@ class Failure:
         return f"exit code {self.exit_code} (an error{where})"
 
     def describe(self) -> str:
-        """What failed, as one clause: 'rank 3 ended by SIGSEGV after step 37 (injected segfault@step=38,rank=3)'."""
-        who = "the node (its agent and every worker)" if self.rank is None else f"rank {self.rank}"
+        """What failed, as one clause: 'rank 3 on node-b ended by SIGSEGV after step 37 (injected segfault@step=38,rank=3)'."""
+        on = f" on {self.host}" if self.host else ""
+        who = f"the node{on} (its agent and every worker)" if self.rank is None else f"rank {self.rank}{on}"
         fault = f" (injected {self.fault})" if self.fault else ""
         return f"{who} ended by {self.cause()} after step {self.step}{fault}"
 
@@ -97,6 +103,40 @@ def first_failed(exits: dict[int, int]) -> int:
         return order, rank
 
     return min(exits.items(), key=blame)[0]
+
+
+@dataclass
+class Node:
+    """A node of the job as its agent reported it: its host, its workers' global ranks, and whether it
+    reported the exit statuses of this failure."""
+
+    host: str
+    ranks: list[int]
+    reported: bool = True
+
+
+def attribute(exits: dict[int, int] | None, fault: dict | None, nodes: dict[int, Node]) -> tuple[int | None, int | None]:
+    """(the rank that failed first, or None when a whole node went; the node it was on, or None when not
+    known). The injected fault's rank comes first, then a node that reported nothing while the others
+    only saw their connections drop (it was lost), then the ranks by cause (first_failed)."""
+    lost = sorted(n for n, node in nodes.items() if not node.reported)
+    on_node = {rank: n for n, node in nodes.items() for rank in node.ranks}
+    fault_rank = int(fault["rank"]) if fault else None
+    if exits and fault_rank in exits:
+        return fault_rank, on_node.get(fault_rank)
+    if fault_rank in on_node and on_node[fault_rank] in lost:
+        return None, on_node[fault_rank]
+    if lost and not any(_killed(code) for code in (exits or {}).values()):
+        return None, lost[0]
+    if exits:
+        rank = first_failed(exits)
+        return rank, on_node.get(rank)
+    return None, lost[0] if lost else None
+
+
+def _killed(code: int) -> bool:
+    """Ended by a signal that torchrun did not send: the process itself died, not a peer that saw it go."""
+    return code < 0 and code != _STOPPED_BY_TORCHRUN
 
 
 def injected_kill(run_dir: Path, since: float) -> dict | None:
@@ -127,6 +167,15 @@ def furthest_step(run_dir: Path) -> int:
     return 0 if bounds is None else int(bounds[1])
 
 
+def ended_unrecorded(run_dir: Path) -> bool:
+    """Whether the run's last start has neither finished nor stopped on record: its processes vanished
+    (a node lost, the job killed from outside; a preemption and a Ctrl-C are on record)."""
+    if not (run_dir / STORE_FILE).exists():
+        return False
+    last = last_event(run_dir, [EventKind.RUN_STARTED, EventKind.RUN_FINISHED, EventKind.RUN_STOPPED])
+    return last is not None and last[0] == EventKind.RUN_STARTED
+
+
 def read_failures(run_dir: Path) -> list[Failure]:
     path = run_dir / FAILURES_FILE
     if not path.is_file():
@@ -145,18 +194,20 @@ class RestartBudget:
     def __init__(self, run_dir: str | Path, max_in_a_row: int):
         self.run_dir, self.max_in_a_row = Path(run_dir), max_in_a_row
 
-    def record(self, exits: dict[int, int] | None, exit_code: int, started: float) -> Failure:
+    def record(self, exits: dict[int, int] | None, exit_code: int, started: float, nodes: dict[int, Node] | None = None) -> Failure:
         """Attributes the failure of a group started at `started` (epoch seconds) from its ranks' exit
         statuses (None, with the agent's own `exit_code`, when the whole node went), decides, and
-        writes the record down before anything restarts."""
+        writes the record down before anything restarts. `nodes` (node rank -> Node) are the job's
+        nodes, those that reported their workers' exits and those that did not (lost)."""
         previous = read_failures(self.run_dir)
         step = furthest_step(self.run_dir)
         fault = injected_kill(self.run_dir, started)
-        rank = None
-        if exits:
-            rank = int(fault["rank"]) if fault and int(fault["rank"]) in exits else first_failed(exits)
+        counted = [f for f in previous[self._reset_at() :] if f.exit_code != EXIT_OOM_RESTART]
+        rank, node = attribute(exits, fault, nodes or {})
+        if rank is not None:
             exit_code = exits[rank]
-        counted = [f for f in previous if f.exit_code != EXIT_OOM_RESTART]
+        elif exits and node is not None and not nodes[node].reported:
+            exit_code = -signal.SIGKILL  # lost, as the survivors see it: a machine that died says nothing
         if exit_code == EXIT_OOM_RESTART:  # Keel's own recovery: neither progress nor a failure
             in_a_row = counted[-1].in_a_row if counted else 0
         elif counted and step <= counted[-1].step:  # no step past the previous failure's
@@ -173,9 +224,23 @@ class RestartBudget:
             fault_step=int(fault["step"]) if fault else 0,
             in_a_row=in_a_row,
             gave_up=in_a_row > self.max_in_a_row,
+            host="" if node is None else nodes[node].host,
+            node=node,
         )
         self._append(failure)
         return failure
+
+    def reset(self) -> None:
+        """A person fixed the cause (`keel train --resume RUN_DIR --reset-restarts`): the failures so far no
+        longer count; they stay on record."""
+        path = self.run_dir / RESET_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(str(len(read_failures(self.run_dir))))
+
+    def _reset_at(self) -> int:
+        """How many of the records came before the last reset (0: none)."""
+        path = self.run_dir / RESET_FILE
+        return int(path.read_text()) if path.is_file() else 0
 
     def _append(self, failure: Failure) -> None:
         path = self.run_dir / FAILURES_FILE

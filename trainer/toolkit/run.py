@@ -21,6 +21,7 @@ import contextlib
 import faulthandler
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -34,14 +35,15 @@ from keel.chaos.fault_specs import parse_fault, random_faults
 from keel.chaos.faults import FaultPlan
 from keel.monitor import run_lock
 from keel.monitor.event_kinds import EventKind
-from keel.monitor.exits import EXIT_CONFIG, EXIT_OK, EXIT_ROLLBACK_CAP
+from keel.monitor.exits import EXIT_CONFIG, EXIT_OK, EXIT_PREEMPTED, EXIT_ROLLBACK_CAP
 from keel.monitor.redact import redact
 from keel.monitor.run_dir import CONFIG_FILE, LOG_DIR, rank_log_name
 from keel.monitor.stragglers import StragglerTracker
+from keel.trainer import preemption
 from keel.trainer.checkpoint.checkpointer import Checkpointer
 from keel.trainer.config import ConfigError, JobConfig, write_resolved_config
 from keel.trainer.incidents import Incidents
-from keel.trainer.launch.restarts import furthest_step, last_failure
+from keel.trainer.launch.restarts import ended_unrecorded, furthest_step, last_failure
 from keel.trainer.progress import ProgressLine
 from keel.trainer.recorder_setup import build_recorder
 from keel.trainer.stability import StabilityGuard, Verdict
@@ -70,8 +72,7 @@ class KeelRun:
         self.process_start = process_start or time.time()
         self.run_dir = Path(cfg.run.run_dir)
         setup_logging(self.run_dir, rank)
-        self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        self.resuming = cfg.run.resume or self.restart_count > 0
+        self.restart_count, self.resuming = agreed_start(cfg.run.resume, world, device)
         self.watchdog = Watchdog(cfg.watchdog, self.run_dir, rank)
         self.faults = FaultPlan(fault_plan(cfg, world), rank, self.run_dir)
         self.step, self.exit_code = 0, EXIT_OK
@@ -85,6 +86,7 @@ class KeelRun:
         self.tight_timeout_s = cfg.watchdog.startup_s
         self.set_collective_timeout: Callable[[float], None] = lambda seconds: None
         self.guard = StabilityGuard(cfg.recovery, cfg.spike)
+        preemption.notice.grace_s = cfg.checkpoint.preempt_grace_s
         self.stragglers = StragglerTracker(cfg.stragglers, world, [range(world)])
         self.checkpointer: Checkpointer | None = None  # see attach
         self.data: DataPosition | None = None
@@ -120,7 +122,7 @@ class KeelRun:
         left (when the run began, whether its processes vanished) is read first, for `resume`."""
         self._last_step = run_history.last_step_time(self.run_dir) if self.rank == 0 and self.resuming else None
         # Resumed by hand or by a scheduler after the processes ended with no record: a node loss.
-        self._vanished = self.rank == 0 and self.cfg.run.resume and not self.restart_count and run_history.ended_unrecorded(self.run_dir)
+        self._vanished = self.rank == 0 and self.resuming and not self.restart_count and ended_unrecorded(self.run_dir)
         self._began = run_history.run_began(self.run_dir, self.process_start) if self.rank == 0 else self.process_start
         if self.recorder is not None:
             self._record_run_start(meta, description)
@@ -221,7 +223,7 @@ class KeelRun:
         verdict: stops, rolls back, or saves a checkpoint when one is due. Returns the row and the verdict."""
         self.faults.end_step()
         self.faults.before_collective()
-        row, fault_ranks = self.reporter.report(numbers)
+        row, fault_ranks = self.reporter.report(numbers, preemption.notice.requested)
         self.watchdog.step_finished(row["step_time_s"])
         if self.watchdog.collective_timeout_s() != self.tight_timeout_s:
             self.tight_timeout_s = self.watchdog.collective_timeout_s()
@@ -229,7 +231,9 @@ class KeelRun:
         verdict = self._judge(row, fault_ranks, numbers.skipped, numbers.comm_time is not None and self.world > 1)
         if self.checkpointer is None:  # not attached: the caller acts
             return row, verdict
-        if verdict.action == "stop":
+        if self.reporter.preempt_signals:
+            self.preempt(self.reporter.preempt_signals)
+        elif verdict.action == "stop":
             self.exit_code = EXIT_ROLLBACK_CAP
             self.incidents.stopped(self.step, self.attempt, verdict.reason, self.exit_code)
         elif verdict.action == "rollback":
@@ -298,6 +302,21 @@ class KeelRun:
             "guard": self.guard.state_dict(),
         }
 
+    def preempt(self, signals: dict[int, int]) -> None:
+        """A scheduler is taking the job's machines (signals: rank -> the signal it got): every rank saves
+        this step and the run stops with EXIT_PREEMPTED, recorded as `preempted`, a warning (the scheduler
+        requeues the job; no one need be woken)."""
+        requested = preemption.notice.time
+        if 0 < self.step and self.checkpointer.saved_step < self.step:
+            self.watchdog.beat("checkpoint_save", self.step, self.attempt)
+            self.checkpointer.save(self.step, self._train_state(), time.time())
+        self.checkpointer.wait()
+        self.incidents.saved(self.checkpointer.poll(), self.attempt)
+        self.exit_code = EXIT_PREEMPTED
+        rank, sig = min(signals.items())
+        cause = (preemption.take_signal_note(self.run_dir) if self.rank == 0 else None) or f"{signal.Signals(sig).name} on rank {rank}"
+        self.incidents.preempted(self.step, self.attempt, cause, requested)
+
     # -- the end ----------------------------------------------------------------------------------
 
     def finish(self) -> None:
@@ -314,7 +333,7 @@ class KeelRun:
         """Rank 0: `run_finished` (unless the run stopped on purpose), the run's goodput, then the sinks close."""
         cfg, recorder = self.cfg, self.recorder
         if self.reporter.progress is not None:
-            self.reporter.progress.finish()
+            self.reporter.progress.finish(None if self.exit_code == EXIT_OK else self.step)
         if self.exit_code == EXIT_OK:
             recorder.event(EventKind.RUN_FINISHED, f"{cfg.training.steps} steps", step=cfg.training.steps, attempt=self.attempt, rank=0)
         # Imported here: goodput needs pandas, 0.5 s of CPU that only rank 0 pays, once, at the end.
@@ -347,6 +366,19 @@ def own_run_dir(run_dir: str, rank: int, world: int, program: str | None = None)
         dist.broadcast_object_list(verdict, src=0)
         refused = verdict[0]
     return owner, refused
+
+
+def agreed_start(resume: bool, world: int, device: torch.device) -> tuple[int, bool]:
+    """(the run's restart count, whether this start resumes the run), the same on every rank. torchrun
+    counts restarts per node: a node whose workers were healthy when another node failed, or a node that
+    replaced a lost one, starts its workers with a lower count (0 for the new node, which was started
+    without --resume), yet every rank must load the same checkpoint: the highest count and any resume win."""
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if world > 1:
+        agreed = torch.tensor([restart_count, int(resume)], dtype=torch.int64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        restart_count, resume = int(agreed[0]), bool(agreed[1])
+    return restart_count, resume or restart_count > 0
 
 
 def fault_plan(cfg: JobConfig, world: int) -> list:

@@ -1,5 +1,5 @@
 """What a starting process reads from its run's store about the starts before it: the next attempt number,
-whether the last start vanished without a record (a node loss), when the run began, when the failed group
+when the run began, when the failed group
 recorded its last step, and the stalls faulthandler ended. Rank 0 reads; collectives share what all need.
 """
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from keel.monitor.event_kinds import EventKind
 from keel.monitor.run_dir import STORE_FILE
-from keel.monitor.store import last_event, read_events, read_steps
+from keel.monitor.store import read_events, read_steps
 from keel.trainer.incidents import Incidents
 from keel.trainer.watchdog import stalled_dumps
 
@@ -40,14 +40,6 @@ def next_attempt(run_dir: Path, rank: int, world: int) -> int:
     if world > 1:
         dist.broadcast_object_list(value, src=0)
     return value[0]
-
-
-def ended_unrecorded(run_dir: Path) -> bool:
-    """Whether the run's last start has neither finished nor stopped on record: its processes vanished."""
-    if not (run_dir / STORE_FILE).exists():
-        return False
-    last = last_event(run_dir, [EventKind.RUN_STARTED, EventKind.RUN_FINISHED, EventKind.RUN_STOPPED])
-    return last is not None and last[0] == EventKind.RUN_STARTED
 
 
 def run_began(run_dir: Path, process_start: float) -> float:
