@@ -33,11 +33,11 @@ def _without_wandb(args: tuple[str, ...]) -> list[str]:
     return list(args) if any(arg.lstrip("-").startswith("monitor.wandb") for arg in args) else [*args, NO_WANDB]
 
 
-def keel(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def keel(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     # One thread per worker: with two OpenMP threads per process, anything else on the machine makes
     # their spin-waits collide and a 20 ms step takes seconds. Every run in a test (references too)
     # gets the same setting, so the comparisons stay exact.
-    env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONWARNINGS": "ignore"}
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
     cmd = [sys.executable, "-m", "keel.cli", *(_without_wandb(args) if args[0] == "train" else args)]
     # A session of its own, so that a run that times out is stopped with its torchrun and workers.
     with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:

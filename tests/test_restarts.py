@@ -141,6 +141,39 @@ def test_each_failure_gets_one_console_line_naming_the_rank_and_none_of_torchrun
     assert "ProcessExitedException" in agent_log or "ProcessRaisedException" in agent_log
 
 
+def test_a_requeue_of_a_run_that_gave_up_counts_on_and_stops_at_its_next_failure(crash_loop):
+    """A scheduler requeues the job that gave up (SLURM_RESTART_COUNT set, the same resume command): the
+    budget counts on from where it stood, so the crash loop stops at the next failure without progress, with
+    the event, the alert and the console line, instead of looping through requeues."""
+    run_dir, _ = crash_loop
+    before = len(read_failures(run_dir))
+    proc = keel("train", "--resume", str(run_dir), env={"SLURM_RESTART_COUNT": "1"})
+    assert proc.returncode == EXIT_RESTART_CAP, proc.stderr[-3000:]
+    failures = read_failures(run_dir)
+    assert len(failures) == before + 1 and failures[-1].gave_up and failures[-1].in_a_row == 4
+    events = read_events(run_dir)
+    assert len(events.query("kind == 'run_stopped'")) == 2
+    assert sum(d.get("alert") == "run_stopped" for d in events.query("kind == 'alert'").data) == 2
+    assert "4 failures in a row without progress; giving up" in proc.stderr and f"resume: keel train --resume {run_dir}" in proc.stderr
+
+
+def test_a_resume_after_a_start_that_vanished_counts_in_the_budget(tmp_path):
+    """A start that ended with no record (its node killed, the job requeued) is a failure of the budget: a
+    loop of such starts stops, and --reset-restarts gives a person who fixed the cause a fresh budget."""
+    from keel.trainer.launch.launcher import count_vanished_start, parse_train_args
+
+    _store_with_steps(tmp_path, 10)
+    with RunStore(tmp_path) as store:
+        store.write_event("run_started", "2 processes", step=0)
+    cfg, _ = parse_train_args(["--config=tiny", f"--run-dir={tmp_path}", NO_WANDB, "--monitor.prometheus=false"])
+    budget = RestartBudget(tmp_path, 2)
+    assert [count_vanished_start(cfg, budget) for _ in range(3)] == [False, False, True]
+    assert [f.in_a_row for f in read_failures(tmp_path)] == [1, 2, 3]
+    assert read_events(tmp_path).query("kind == 'run_stopped'").data.iloc[0]["exit_code"] == EXIT_RESTART_CAP
+    budget.reset()
+    assert not count_vanished_start(cfg, budget) and read_failures(tmp_path)[-1].in_a_row == 1
+
+
 def test_a_restart_event_names_the_failed_rank_its_signal_and_the_injected_fault(crash_loop):
     run_dir, _ = crash_loop
     events = read_events(run_dir)

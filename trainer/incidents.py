@@ -159,6 +159,9 @@ class Incidents:
     def restart(self, attempt: int, restart_count: int, down_s: float, step: int, failure: Failure | None) -> None:
         """The restart of the worker group, with the failure that caused it as the agent attributed it;
         an injected fault that ended its process is recorded here, as it could not record itself."""
+        if failure and failure.rank is None and failure.node is not None:
+            self._node_replaced(attempt, down_s, step, failure)
+            return
         cause = f" after {failure.describe()}" if failure else ""
         data = {"restart_count": restart_count, "down_s": down_s, **(asdict(failure) if failure else {})}
         # The run's own count (control/failures.jsonl): torchrun's starts again at 1 after a node loss.
@@ -173,6 +176,21 @@ class Incidents:
             data=data,
         )
         if failure and failure.fault:
+            self._injected_kill(failure, attempt - 1)
+
+    def _node_replaced(self, attempt: int, down_s: float, step: int, failure: Failure) -> None:
+        """A node of the job lost while the others lived on: they waited for a replacement (or, in an elastic
+        job, went on without it) and restarted from the newest checkpoint. A warning: the job recovered."""
+        self._note(
+            EventKind.NODE_LOSS,
+            f"node {failure.node} ({failure.host}) lost after step {failure.step}; the job went on {down_s:.0f} s later "
+            f"at step {step + 1} (failure {failure.restart + 1} of the run)",
+            "warning",
+            step=step,
+            attempt=attempt,
+            data={"down_s": down_s, "last_step": failure.step, **asdict(failure)},
+        )
+        if failure.fault:
             self._injected_kill(failure, attempt - 1)
 
     def node_loss(self, attempt: int, down_s: float, step: int, last_step: int, failure: Failure | None) -> None:

@@ -318,6 +318,13 @@ class Checkpointer:
 
     # -- loading --------------------------------------------------------------------------------
 
+    def _remove_partial_saves(self) -> None:
+        """The temporary folders of saves that never completed (their processes killed mid-save): none is
+        in flight when a run starts, and none could ever be loaded."""
+        for partial in self.dir.glob(".tmp-*"):
+            shutil.rmtree(partial, ignore_errors=True)
+            log.info("removed %s, a save that never completed", partial.name)
+
     def load_latest(self, before_step: int | None = None, resuming: bool = False) -> Restored | None:
         """Loads the newest checkpoint that verifies (and, with `before_step`, was saved before that step).
         Collective: rank 0 chooses, every rank loads the same one. None when there is none. When
@@ -327,6 +334,8 @@ class Checkpointer:
         started = time.perf_counter()
         choice: list = [None, []]
         if self.rank == 0:
+            if resuming:
+                self._remove_partial_saves()
             choice = self._choose(before_step)
         if self.world > 1:
             dist.broadcast_object_list(choice, src=0)

@@ -33,17 +33,22 @@ import time
 import traceback
 from pathlib import Path
 
-import torch.distributed.run as torchrun
-from torch.distributed.elastic.agent.server.api import WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+# The agent's own C++ warnings stay off the console: its rendezvous store's client retries a connection the
+# server reset (seen with four agents on one host), and prints a stack trace per retry that succeeds (torch's
+# noise, pytorch/pytorch#182725). Set before torch loads (it reads the level once), for this process only:
+# `keel train` names the level the workers get, the user's own or torch's default.
+os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+import torch.distributed.run as torchrun  # noqa: E402
+from torch.distributed.elastic.agent.server.api import WorkerState  # noqa: E402
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent  # noqa: E402
+from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 
 from keel.monitor.exits import EXIT_PREEMPTED
 from keel.monitor.run_dir import AGENT_LOG, LOG_DIR
 from keel.trainer.launch.failure_board import FailureBoard
 from keel.trainer.launch.forked_worker import forked_main
-from keel.trainer.launch.restarts import RUN_DIR_ENV, TORCHRUN_MAX_RESTARTS, RestartBudget
+from keel.trainer.launch.restarts import RUN_DIR_ENV, TORCHRUN_MAX_RESTARTS, WORKERS_CPP_LOG_LEVEL_ENV, RestartBudget
 from keel.trainer.preemption import AGENT_PID_ENV, PREEMPT_SIGNALS, note_signal
 
 WORKER_MODULE = "keel.trainer.train"
@@ -61,6 +66,7 @@ def keel_config(config_from_args):
             config.max_restarts = TORCHRUN_MAX_RESTARTS
             LocalElasticAgent._monitor_workers = budgeted(LocalElasticAgent._monitor_workers, budget)
             LocalElasticAgent._start_workers = passing_preemption_on(LocalElasticAgent._start_workers)
+            LocalElasticAgent._restart_workers = counting_membership_restarts(LocalElasticAgent._restart_workers)
         if not (args.module and args.training_script == WORKER_MODULE):
             return config, cmd, cmd_args
         multiprocessing.get_context("forkserver").set_forkserver_preload(["keel.trainer.launch.fork_server"])
@@ -96,13 +102,27 @@ def budgeted(monitor_workers, budget: RestartBudget):
             return result
         failure, recorded_here = board.failed(store, key, ranks, exits, since)
         since = failure.time
-        if recorded_here:
+        # One line for the job: on the node where the rank failed; when that node is gone, on the recording one.
+        if failure.node == board.node if failure.rank is not None and failure.node is not None else recorded_here:
             print(failure.console_line(budget.max_in_a_row), file=sys.stderr, flush=True)
         if failure.gave_up:
             agent._remaining_restarts = 0  # torchrun stops the group and returns the failure
         return result
 
     return monitor
+
+
+def counting_membership_restarts(restart_workers):
+    """torchrun's restart of the worker group, counted also when it is no failure's but a node's that joined
+    (a replacement, or a node coming back to an elastic job): torchrun does not count those, and workers that
+    see no restart would start the run over instead of loading its newest checkpoint."""
+
+    def restart(agent: LocalElasticAgent, worker_group):
+        if worker_group.state == WorkerState.HEALTHY:  # a failure's restart comes with FAILED or UNHEALTHY
+            agent._remaining_restarts -= 1
+        return restart_workers(agent, worker_group)
+
+    return restart
 
 
 _preempting = False  # whether this node's agent has passed a preemption on to its workers
@@ -170,6 +190,15 @@ def _logs_off_console(run_dir: Path) -> None:
             logger.addHandler(handler)
 
 
+def _restore_workers_log_level() -> None:
+    """The workers' C++ log level: the one the user set (keel train passes it on), or torch's default."""
+    level = os.environ.pop(WORKERS_CPP_LOG_LEVEL_ENV, "")
+    if level:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = level
+    else:
+        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+
+
 def run_agent() -> int:
     """torchrun's exit status: 0, SystemExit's code (argparse's 2), or 1 with the traceback for any other
     exception, as the interpreter gives. Ctrl-C also gives 1 here, where the interpreter would end by
@@ -177,6 +206,7 @@ def run_agent() -> int:
     # torchrun's run() launches whatever entrypoint config_from_args gives it: the one place to swap the
     # worker command for a forked function without writing run() again.
     torchrun.config_from_args = keel_config(torchrun.config_from_args)
+    _restore_workers_log_level()
     run_dir = os.environ.get(RUN_DIR_ENV)
     if run_dir:
         os.environ[AGENT_PID_ENV] = str(os.getpid())

@@ -38,7 +38,16 @@ from keel.trainer.data.blend import open_job_data
 from keel.trainer.data.documents import eod_to_mask
 from keel.trainer.data.validation import split_for_validation
 from keel.trainer.launch.lifetime import end_with_parent
-from keel.trainer.launch.restarts import RUN_DIR_ENV, Failure, Node, RestartBudget, ended_unrecorded, furthest_step, last_failure
+from keel.trainer.launch.restarts import (
+    RUN_DIR_ENV,
+    WORKERS_CPP_LOG_LEVEL_ENV,
+    Failure,
+    Node,
+    RestartBudget,
+    ended_unrecorded,
+    furthest_step,
+    last_failure,
+)
 from keel.trainer.model_args import allocated_params, model_args
 from keel.trainer.planning.memory_model import MODEL_STATE_BYTES_PER_PARAM
 from keel.trainer.preemption import PREEMPT_SIGNALS, note_signal, take_signal_note
@@ -463,6 +472,12 @@ def report_give_up(cfg: JobConfig, run_dir: Path, failure: Failure) -> None:
 
 def worker_env(cfg: JobConfig, opts: argparse.Namespace, run_dir: Path) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **nccl_resilience_env(run_dir)}
+    env[WORKERS_CPP_LOG_LEVEL_ENV] = os.environ.get("TORCH_CPP_LOG_LEVEL", "")  # the agent quiets its own (agent.py)
+    if opts.nnodes > 1:
+        # Each rendezvous round's workers get a store of their own, on rank 0's host. With the rendezvous
+        # store shared (torch's default), a node that replaces a lost one waits forever for connection
+        # details the survivors cached from the round before (torch 2.13's dynamic rendezvous).
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # Share the cores among the local workers (torchrun would pin every worker to 1 thread).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (cfg.world_size // opts.nnodes))))
     return env

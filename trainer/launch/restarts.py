@@ -35,6 +35,8 @@ from keel.monitor.store import last_event, step_bounds
 
 # `keel train` names the run directory to its agent, which then restarts by this budget.
 RUN_DIR_ENV = "KEEL_RUN_DIR"
+# ... and the C++ log level its workers get (the agent quiets its own: keel.trainer.launch.agent).
+WORKERS_CPP_LOG_LEVEL_ENV = "KEEL_WORKERS_CPP_LOG_LEVEL"
 # Written by --reset-restarts: the number of failure records that no longer count.
 RESET_FILE = Path(CONTROL_DIR) / "restarts-reset"
 # torchrun's own count of restarts, over the agent's life: set out of reach when Keel's budget decides.

@@ -38,9 +38,7 @@ def init_distributed(startup_timeout_s: float = 600.0) -> tuple[torch.device, in
     if world > 1:
         timeout = timedelta(seconds=startup_timeout_s)
         store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
-        # After a torchrun restart the rendezvous store still holds the previous group's keys (its
-        # workers' addresses); a fresh namespace per restart keeps the new group from reading them.
-        store = dist.PrefixStore(f"keel/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store)
+        store = dist.PrefixStore(_store_namespace(), store)
         global _namespaced
         _namespaced = True
         dist.init_process_group(
@@ -52,6 +50,17 @@ def init_distributed(startup_timeout_s: float = 600.0) -> tuple[torch.device, in
             timeout=timeout,
         )
     return device, rank, world
+
+
+def _store_namespace() -> str:
+    """Where this group's keys go in the store. The agent's own store (one node: torchrun shares its
+    rendezvous store with the workers) still holds the previous group's keys after a restart (its workers'
+    addresses): a namespace per restart keeps the new group from reading them. Across nodes each round gets
+    a new store (keel train sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE): no namespace, for torchrun counts
+    restarts per node, and a node that replaced a lost one starts at 0 while the others do not."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return f"keel/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/"
+    return "keel/"
 
 
 def store_namespaced_per_restart() -> bool:

@@ -22,6 +22,7 @@ import faulthandler
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -150,6 +151,7 @@ class KeelRun:
         """Rank 0: the run's metadata and `run_started`."""
         cfg, recorder = self.cfg, self.recorder
         basics = {"run_id": cfg.run.run_id, "config": redact(cfg.to_dict()), "world_size": self.world, "device": str(self.device)}
+        basics["rank0_host"] = socket.gethostname()  # where this start's store writer and exporter run (docs/cluster.md)
         for key, value in {**basics, **meta, "torch_version": torch.__version__}.items():
             recorder.store.set_meta(key, value)
         data = {"process_start": self.process_start, "restart_count": self.restart_count}
