@@ -127,11 +127,13 @@ _BADGES = {"running": "blue", "finished": "green", "stopped": "orange", "failed"
 
 def _header(run_dir: Path, data: RunData) -> None:
     """The run at a glance: its status (keel.monitor.runs; worked out at each refresh, as a killed run's
-    store does not change), id, folder, layout, start, last update, time left and last alert."""
+    store does not change), id, folder, layout, rank 0's host, start, last update, time left and last alert."""
     row = summarize(run_dir, data.every, data.events, data.meta, goodput=data.goodput)
     now = time.time()
     parts = [f":{_BADGES.get(row['status'], 'gray')}-badge[{row['status']}]", f"**{row['run_id']}**", f"`{run_dir}`"]
     parts += [row["layout"]] if row["layout"] else []
+    if data.meta.get("rank0_host"):  # where the run store's writer and the exporter run (docs/cluster.md)
+        parts.append(f"rank 0 on `{str(data.meta['rank0_host']).replace('`', '')}`")
     if row["started"] is not None:
         parts += [f"started {_clock(row['started'])}", f"last update {_ago(now - row['last_seen'])} ago"]
     if row["eta_s"] is not None:

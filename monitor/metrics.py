@@ -99,7 +99,13 @@ COUNTERS = (
     MetricSpec("keel_oom_total", "counter", "", "Out-of-memory errors recovered by halving the micro-batch.", EventKind.OOM),
     MetricSpec("keel_oom_retries_total", "counter", "", "Retries of the larger micro-batch after an out-of-memory.", EventKind.OOM_RETRY),
     MetricSpec("keel_restarts_total", "counter", "", "Restarts of the worker group.", EventKind.RESTART),
-    MetricSpec("keel_node_losses_total", "counter", "", "Resumes after the run's processes vanished with no record.", EventKind.NODE_LOSS),
+    MetricSpec(
+        "keel_node_losses_total",
+        "counter",
+        "",
+        "Nodes lost: one gone while the job's others lived on, or the run's processes vanished with no record.",
+        EventKind.NODE_LOSS,
+    ),
     MetricSpec("keel_faults_injected_total", "counter", "", "Faults injected by chaos hooks or drills.", EventKind.FAULT_INJECTED),
     MetricSpec("keel_alerts_total", "counter", "", "Alerts raised by Keel, by kind and severity.", EventKind.ALERT),
 )

@@ -91,6 +91,13 @@ def reference_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_dp2_40(tmp_path_factory):
+    """The uninterrupted tiny dp2 run of 40 steps that the cluster tests' interrupted runs (preempted, requeued by
+    SLURM, a node replaced) must follow bit for bit: checkpoints and nodes do not change a trajectory."""
+    return train(tmp_path_factory.mktemp("tiny_dp2_40") / "run", "--config=tiny", "--dp=2", "--steps=40", "--monitor.prometheus=false")
+
+
+@pytest.fixture(scope="session")
 def reference_run(reference_dir):
     return read_steps(reference_dir, effective=True)
 

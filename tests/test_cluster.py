@@ -22,7 +22,7 @@ import numpy as np
 import psutil
 import pytest
 import yaml
-from conftest import NO_WANDB, REPO, keel, train
+from conftest import NO_WANDB, REPO, keel
 from servers import free_port
 from test_resume_layouts import LOSS_RTOL
 
@@ -177,9 +177,9 @@ def test_each_resume_starts_at_the_saved_step_without_a_node_loss_or_a_page(pree
     assert read_meta(run_dir)["goodput"]["lost_s"]["preempted"] > 0
 
 
-def test_a_thrice_preempted_run_follows_the_uninterrupted_one_bit_for_bit(preempted_thrice, tmp_path):
+def test_a_thrice_preempted_run_follows_the_uninterrupted_one_bit_for_bit(preempted_thrice, tiny_dp2_40):
     run_dir, _, _ = preempted_thrice
-    uninterrupted = train(tmp_path / "run", *TINY, "--dp=2", "--steps=40")
+    uninterrupted = tiny_dp2_40
     resumed = read_steps(run_dir, effective=True)
     assert list(resumed.step) == list(range(1, 41))
     np.testing.assert_array_equal(resumed.loss.to_numpy(), uninterrupted.loss.to_numpy())

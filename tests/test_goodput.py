@@ -1,5 +1,6 @@
 """What the end-of-run summary and drills rely on from keel.monitor.goodput: productive time over wall
-time, and the lost time split by cause (recomputed, skipped, restart, hang, checkpoint, other)."""
+time, and the lost time split by cause (recomputed, skipped, restart, node loss, preemption, hang, checkpoint,
+other)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ def test_restart_counts_down_time_and_takes_the_first_process_start():
             "skipped": 0.0,
             "restart": 3.0,
             "node_loss": 0.0,
+            "preempted": 0.0,
             "hang": 0.0,
             "oom": 0.0,
             "checkpoint": 1.0,
@@ -205,3 +207,18 @@ def test_productive_time_never_exceeds_the_wall_clock():
     steps = steps_frame([(1, 0, 2.0, 2.0, 0), (2, 0, 4.0, 2.5, 0), (3, 0, 6.0, 2.5, 0)])
     g = compute_goodput(steps, started)
     assert g.productive_s == 6.0 and g.wall_s == 6.0 and g.goodput == 1.0
+
+
+def test_the_time_from_a_preemption_to_the_next_start_is_lost_to_preemption():
+    """Steps 1-10 (1 s each after 1 s of start-up), preempted after step 10; the scheduler starts the job
+    again 20 s later (the queue), whose start-up takes 1 s before steps 11-20 run."""
+    steps = [(s, 0, float(s), 1.0, 0) for s in range(1, 11)] + [(s, 1, 21.0 + s, 1.0, 0) for s in range(11, 21)]
+    events = [
+        (-1, "run_started", {"process_start": T0 - 1}),
+        (10, "preempted", {"saved_step": 10, "lost_steps": 0}),
+        (10, "run_stopped", {"exit_code": 143}),
+        (31, "run_started", {"process_start": T0 + 30}),
+        (41, "run_finished", {}),
+    ]
+    g = compute_goodput(steps_frame(steps), events_frame(events))
+    assert g == Goodput(wall_s=42.0, productive_s=20.0, lost_s=lost(preempted=20.0, other=2.0))

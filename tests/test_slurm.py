@@ -23,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, train
+from conftest import REPO
 from servers import free_port
 from slurm_cluster import CRED_EXPIRE_S, KILL_WAIT_S, slurm_cluster  # noqa: F401 (the fixture)
 
-from keel.monitor.store import read_steps
+from keel.monitor.store import read_events, read_steps
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def _last_step(run_dir: Path) -> int:
     return int(steps.step.max()) if steps is not None and len(steps) else 0
 
 
-def test_requeued_job_resumes_bit_identical(slurm_cluster, tmp_path):  # noqa: F811
+def test_requeued_job_resumes_bit_identical(slurm_cluster, tmp_path, tiny_dp2_40):  # noqa: F811
     cluster = slurm_cluster
     run_dir = tmp_path / "run"
     venv_bin = Path(sys.executable).parent  # the job runs this environment's keel, as after `source .venv/bin/activate`
@@ -106,8 +106,14 @@ def test_requeued_job_resumes_bit_identical(slurm_cluster, tmp_path):  # noqa: F
     attempts = read_steps(run_dir).groupby("attempt").step.max()
     interrupted_at = int(attempts.iloc[0])  # the first start's last step
     assert len(attempts) == 2 and interrupted_at < 40, f"not one interruption mid-way: last steps {attempts.to_dict()}\n{explain()}"
+    # The requeue's SIGTERM was a preemption: the step saved, no node loss, nobody paged; the resume loaded it.
+    events = read_events(run_dir)
+    [preempted] = events.query("kind == 'preempted'").itertuples()
+    assert preempted.step == interrupted_at and preempted.severity == "warning", preempted.message
+    assert events.query("kind == 'checkpoint_loaded'").step.tolist() == [interrupted_at]
+    assert events.query("kind == 'node_loss'").empty and not (events.severity == "critical").any()
     resumed = read_steps(run_dir, effective=True)
-    reference = train(tmp_path / "reference", "--config=tiny", *FLAGS)
+    reference = tiny_dp2_40
     assert resumed.step.tolist() == list(range(1, 41)), resumed.step.tolist()
     assert np.array_equal(resumed.step.to_numpy(), reference.step.to_numpy())
     different = resumed.loss.to_numpy() != reference.loss.to_numpy()
