@@ -49,6 +49,11 @@ REPLACE_AFTER_S = 5.0  # a lost node's replacement starts this long after it die
 PREEMPT_GRACE_S = 30.0  # SIGKILL follows SIGTERM after this (SLURM's KillWait, Kubernetes' grace)
 
 
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -70,7 +75,7 @@ class Job:
         self.run_dir, self.args, self.nodes = run_dir, args, nodes
         self.log = run_dir.with_suffix(".log")
         self.port = free_port()
-        self.procs = [self.start_node(k, args) for k in range(nodes)]
+        self.procs = self.start_all(args)
 
     def start_node(self, node: int, args: list[str]) -> subprocess.Popen:
         if self.nodes > 1:
@@ -87,7 +92,16 @@ class Job:
     def restart(self) -> None:
         """The whole job started again from its run directory, as a requeue does (a new rendezvous port)."""
         self.port = free_port()
-        self.procs = [self.start_node(k, ["--resume", str(self.run_dir)]) for k in range(self.nodes)]
+        self.procs = self.start_all(["--resume", str(self.run_dir)])
+
+    def start_all(self, args: list[str]) -> list[subprocess.Popen]:
+        """Node 0 first, the others once its agent serves the rendezvous store: node 0 hosts it (on loopback
+        every agent would try to), so the node the bench kills is never the host (losing it ends the job)."""
+        first = self.start_node(0, args)
+        deadline = time.time() + 120
+        while self.nodes > 1 and not _listening(self.port) and first.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        return [first, *(self.start_node(k, args) for k in range(1, self.nodes))]
 
     def preempt(self) -> list[int]:
         """SIGTERM to every node's process group, as a scheduler takes the nodes back; their exit codes."""

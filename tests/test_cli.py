@@ -109,6 +109,18 @@ def test_multi_node_flags_pass_through_to_torchrun():
     assert cmd[cmd.index("-m", 3) :][:2] == ["-m", "keel.trainer.train"]
 
 
+def test_an_elastic_node_range_passes_through_and_a_bad_one_is_one_line(capsys):
+    cfg, opts = parse_train_args("--config tiny --dp 2 --nnodes 1:2 --rdzv-endpoint head:29500 --rdzv-id job7".split())
+    cmd = torchrun_command(cfg, opts, ["--config", "tiny"])
+    assert "--nnodes=1:2" in cmd and "--nproc-per-node=1" in cmd  # one process a node at the full size
+    assert cfg.parallel.elastic_dp == 2 and cfg.parallel.dp == 2  # the launcher plans the full job
+    for bad in ("0:2", "3:2", "a:b", "2:"):
+        with pytest.raises(SystemExit):
+            parse_train_args(["--config", "tiny", "--nnodes", bad])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("keel train: error: argument --nnodes: ") and bad in err, err
+
+
 def test_ci_runs_exactly_the_readme_test_command():
     readme = (REPO / "README.md").read_text().splitlines()
     block = readme[readme.index("```bash") + 1 : readme.index("```bash") + 3]

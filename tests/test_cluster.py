@@ -43,6 +43,24 @@ def start_node(run_dir: Path, node: int, nnodes: str, port: int, *args: str) -> 
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+def start_nodes(run_dir: Path, nnodes: str, count: int, *args: str) -> list[subprocess.Popen]:
+    """`count` nodes; node 0 first, and the others once its agent serves the rendezvous store: the node that
+    hosts the store is node 0, whatever the order the others start in (on loopback every agent would try to
+    host it). Losing that node ends the job (torch's store is not replicated; docs/cluster.md)."""
+    port = free_port()
+    nodes = [start_node(run_dir, 0, nnodes, port, *args)]
+    deadline = time.monotonic() + 120
+    while not _listening(port):
+        assert time.monotonic() < deadline and nodes[0].poll() is None, "node 0's agent never served the rendezvous store"
+        time.sleep(0.1)
+    return nodes + [start_node(run_dir, n, nnodes, port, *args) for n in range(1, count)]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def finish(nodes: list[subprocess.Popen], timeout: float = 400) -> list[tuple[int, str]]:
     """Each node's (exit code, stderr); every node still running at the deadline is killed with its tree."""
     deadline, ended = time.monotonic() + timeout, []
@@ -72,9 +90,8 @@ def four_nodes(tmp_path_factory):
     ranks at three different steps: each a failure of its own, after progress."""
     run_dir = tmp_path_factory.mktemp("four") / "run"
     crashes = ("--fault=crash@step=9,rank=1", "--fault=crash@step=17,rank=3", "--fault=crash@step=25,rank=2")
-    port = free_port()
     args = ("--dp=4", "--steps=30", "--checkpoint.interval_steps=4", *crashes)
-    return run_dir, finish([start_node(run_dir, n, "4", port, *args) for n in range(4)])
+    return run_dir, finish(start_nodes(run_dir, "4", 4, *args))
 
 
 def test_four_nodes_survive_three_crashes_each_counted_once(four_nodes):
@@ -191,9 +208,9 @@ def test_a_thrice_preempted_run_follows_the_uninterrupted_one_bit_for_bit(preemp
 def test_an_elastic_job_that_loses_a_node_goes_on_at_half_the_dp(tmp_path, reference_run):
     """--nnodes 1:2: node 1 (and its launcher) killed at step 8 or later; after the rendezvous' last call the
     survivor trains on alone at dp 1 with twice the micro-batches, from the newest checkpoint."""
-    run_dir, port = tmp_path / "run", free_port()
+    run_dir = tmp_path / "run"
     args = ("--dp=2", "--checkpoint.interval_steps=4", "--rdzv-conf=last_call_timeout=5")
-    nodes = [start_node(run_dir, n, "1:2", port, *args) for n in range(2)]
+    nodes = start_nodes(run_dir, "1:2", 2, *args)
     wait_for_step(run_dir, 8)
     os.killpg(nodes[1].pid, signal.SIGKILL)
     (code, err), _ = finish(nodes)
@@ -202,7 +219,10 @@ def test_an_elastic_job_that_loses_a_node_goes_on_at_half_the_dp(tmp_path, refer
     [changed] = events.query("kind == 'layout_changed'").message
     assert "pp1 dp2 tp1 microbatches=2 in the checkpoint, pp1 dp1 tp1 microbatches=4 now" in changed, changed
     [failure] = read_failures(run_dir)
-    assert failure.rank is None and failure.node == 1  # the lost node, not the survivor that saw it go
+    # The lost node, not a rank of the survivor that saw it go. (Which group rank it had is the rendezvous'
+    # choice: c10d orders nodes by host name, then pid, and ignores --node-rank.)
+    assert failure.rank is None and failure.node in (0, 1) and failure.exit_code == -signal.SIGKILL
+    assert f"the node on {socket.gethostname()} (its agent and every worker) ended by SIGKILL" in err, err[-3000:]
     run = read_steps(run_dir, effective=True)
     assert list(run.step) == list(reference_run.step)
     np.testing.assert_allclose(run.loss, reference_run.loss, rtol=LOSS_RTOL, atol=0)

@@ -133,9 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def node_range(text: str) -> tuple[int, int]:
     """`--nnodes` as torchrun takes it: N, or MIN:MAX for an elastic job."""
-    low, _, high = text.partition(":")
+    low, colon, high = text.partition(":")
     try:
-        low, high = int(low), int(high or low)
+        low, high = int(low), int(high if colon else low)
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}': give a number of nodes (2) or a range (1:2)") from None
     if not 1 <= low <= high:
@@ -269,7 +269,7 @@ def torchrun_command(cfg: JobConfig, opts: argparse.Namespace, worker_argv: list
         "-m",
         "keel.trainer.launch.agent",
         f"--nproc-per-node={cfg.world_size // opts.nnodes}",
-        f"--nnodes={opts.min_nodes}:{opts.nnodes}",
+        f"--nnodes={opts.nnodes if opts.min_nodes == opts.nnodes else f'{opts.min_nodes}:{opts.nnodes}'}",
     ]
     if opts.nnodes == 1 and not opts.rdzv_endpoint and not opts.master_addr:
         cmd.append("--standalone")  # a free local port, no fixed 29500 to collide on
