@@ -33,6 +33,9 @@ from keel.trainer.launch.restarts import furthest_step, read_failures
 pytestmark = pytest.mark.slow
 
 TINY = ("--config=tiny", "--monitor.prometheus=false", NO_WANDB)
+# An elastic job's rendezvous waits this long for more nodes once it has its minimum: long enough for the
+# second launcher (started once the first serves the store) to make the first round on two loaded cores.
+LAST_CALL_S = 15
 
 
 def start_node(run_dir: Path, node: int, nnodes: str, port: int, *args: str) -> subprocess.Popen:
@@ -43,17 +46,17 @@ def start_node(run_dir: Path, node: int, nnodes: str, port: int, *args: str) -> 
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def start_nodes(run_dir: Path, nnodes: str, count: int, *args: str) -> list[subprocess.Popen]:
+def start_nodes(run_dir: Path, nnodes: str, count: int, *args: str) -> tuple[list[subprocess.Popen], int]:
     """`count` nodes; node 0 first, and the others once its agent serves the rendezvous store: the node that
     hosts the store is node 0, whatever the order the others start in (on loopback every agent would try to
     host it). Losing that node ends the job (torch's store is not replicated; docs/cluster.md)."""
     port = free_port()
-    nodes = [start_node(run_dir, 0, nnodes, port, *args)]
+    nodes = [start_node(run_dir, 0, nnodes, port, *args)]  # and the port, for a node that joins later
     deadline = time.monotonic() + 120
     while not _listening(port):
         assert time.monotonic() < deadline and nodes[0].poll() is None, "node 0's agent never served the rendezvous store"
         time.sleep(0.1)
-    return nodes + [start_node(run_dir, n, nnodes, port, *args) for n in range(1, count)]
+    return nodes + [start_node(run_dir, n, nnodes, port, *args) for n in range(1, count)], port
 
 
 def _listening(port: int) -> bool:
@@ -91,7 +94,7 @@ def four_nodes(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("four") / "run"
     crashes = ("--fault=crash@step=9,rank=1", "--fault=crash@step=17,rank=3", "--fault=crash@step=25,rank=2")
     args = ("--dp=4", "--steps=30", "--checkpoint.interval_steps=4", *crashes)
-    return run_dir, finish(start_nodes(run_dir, "4", 4, *args))
+    return run_dir, finish(start_nodes(run_dir, "4", 4, *args)[0])
 
 
 def test_four_nodes_survive_three_crashes_each_counted_once(four_nodes):
@@ -207,16 +210,17 @@ def test_a_thrice_preempted_run_follows_the_uninterrupted_one_bit_for_bit(preemp
 
 def test_an_elastic_job_that_loses_a_node_goes_on_at_half_the_dp(tmp_path, reference_run):
     """--nnodes 1:2: node 1 (and its launcher) killed at step 8 or later; after the rendezvous' last call the
-    survivor trains on alone at dp 1 with twice the micro-batches, from the newest checkpoint."""
+    survivor trains on alone at dp 1 with twice the micro-batches, from the newest checkpoint, and follows the
+    single-process run within the reshard tests' tolerance."""
     run_dir = tmp_path / "run"
-    args = ("--dp=2", "--checkpoint.interval_steps=4", "--rdzv-conf=last_call_timeout=5")
-    nodes = start_nodes(run_dir, "1:2", 2, *args)
+    args = ("--dp=2", "--checkpoint.interval_steps=4", f"--rdzv-conf=last_call_timeout={LAST_CALL_S}")
+    nodes, _ = start_nodes(run_dir, "1:2", 2, *args)
     wait_for_step(run_dir, 8)
+    assert read_events(run_dir).message.iloc[0] == "2 processes, pp1 dp2 tp1"  # both nodes made the first round
     os.killpg(nodes[1].pid, signal.SIGKILL)
     (code, err), _ = finish(nodes)
     assert code == 0, err[-3000:]
-    events = read_events(run_dir)
-    [changed] = events.query("kind == 'layout_changed'").message
+    [changed] = read_events(run_dir).query("kind == 'layout_changed'").message
     assert "pp1 dp2 tp1 microbatches=2 in the checkpoint, pp1 dp1 tp1 microbatches=4 now" in changed, changed
     [failure] = read_failures(run_dir)
     # The lost node, not a rank of the survivor that saw it go. (Which group rank it had is the rendezvous'
@@ -226,6 +230,34 @@ def test_an_elastic_job_that_loses_a_node_goes_on_at_half_the_dp(tmp_path, refer
     run = read_steps(run_dir, effective=True)
     assert list(run.step) == list(reference_run.step)
     np.testing.assert_allclose(run.loss, reference_run.loss, rtol=LOSS_RTOL, atol=0)
+
+
+def test_an_elastic_job_grows_back_at_its_next_checkpoint(tmp_path):
+    """The shrunk job of the test above, and node 1 back with the same command: torchrun would restart the
+    group at once, from the newest checkpoint; Keel holds the restart until the run saved its next one, so
+    the job grows to dp 2 again from a checkpoint saved after the node came back."""
+    run_dir = tmp_path / "run"
+    # Checkpoints 40 steps apart: growing at once would train up to 39 steps again, at the next one a few.
+    args = ("--dp=2", "--steps=400", "--checkpoint.interval_steps=40", f"--rdzv-conf=last_call_timeout={LAST_CALL_S}")
+    nodes, port = start_nodes(run_dir, "1:2", 2, *args)
+    wait_for_step(run_dir, 8)
+    assert read_events(run_dir).message.iloc[0] == "2 processes, pp1 dp2 tp1"  # both nodes made the first round
+    os.killpg(nodes[1].pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while read_steps(run_dir).attempt.max() < 1:  # the survivor's own attempt, from step 1 (no checkpoint yet)
+        assert time.monotonic() < deadline and nodes[0].poll() is None, "the survivor did not go on alone"
+        time.sleep(0.1)
+    back = start_node(run_dir, 1, "1:2", port, *args)
+    (code, err), (back_code, back_err), _ = finish([nodes[0], back, nodes[1]])
+    assert (code, back_code) == (0, 0), err[-3000:] + back_err[-3000:]
+    assert "node(s) waiting to join: growing at the next checkpoint" in err, err[-3000:]
+    events = read_events(run_dir)
+    [grown] = events.query("kind == 'layout_changed'").itertuples()
+    assert "pp1 dp1 tp1 microbatches=4 in the checkpoint, pp1 dp2 tp1 microbatches=2 now" in grown.message, grown.message
+    last_alone = read_steps(run_dir).query("attempt == @grown.attempt - 1").step.max()
+    assert 0 <= last_alone - grown.step <= 3, (last_alone, grown.step)  # it grew right after that checkpoint
+    assert len(read_failures(run_dir)) == 1  # the loss; growing back is no failure
+    assert list(read_steps(run_dir, effective=True).step) == list(range(1, 401))
 
 
 def test_a_save_that_cannot_finish_in_the_grace_leaves_the_newest_checkpoint_and_says_what_it_cost(tmp_path):

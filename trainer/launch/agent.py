@@ -43,15 +43,19 @@ from torch.distributed.elastic.agent.server.api import WorkerState  # noqa: E402
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent  # noqa: E402
 from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler  # noqa: E402
 
 from keel.monitor.exits import EXIT_PREEMPTED
-from keel.monitor.run_dir import AGENT_LOG, LOG_DIR
+from keel.monitor.run_dir import AGENT_LOG, LOG_DIR, list_checkpoints
 from keel.trainer.launch.failure_board import FailureBoard
 from keel.trainer.launch.forked_worker import forked_main
 from keel.trainer.launch.restarts import RUN_DIR_ENV, TORCHRUN_MAX_RESTARTS, WORKERS_CPP_LOG_LEVEL_ENV, RestartBudget
 from keel.trainer.preemption import AGENT_PID_ENV, PREEMPT_SIGNALS, note_signal
 
 WORKER_MODULE = "keel.trainer.train"
+# How long a node that joins a running job waits for the job's next checkpoint before the group restarts for it
+# anyway: well inside torch's join_timeout (600 s by default), after which the joining node would give up.
+GROW_WAIT_S = 300.0
 
 
 def keel_config(config_from_args):
@@ -67,6 +71,7 @@ def keel_config(config_from_args):
             LocalElasticAgent._monitor_workers = budgeted(LocalElasticAgent._monitor_workers, budget)
             LocalElasticAgent._start_workers = passing_preemption_on(LocalElasticAgent._start_workers)
             LocalElasticAgent._restart_workers = counting_membership_restarts(LocalElasticAgent._restart_workers)
+            DynamicRendezvousHandler.num_nodes_waiting = growing_at_checkpoints(DynamicRendezvousHandler.num_nodes_waiting, Path(run_dir))
         if not (args.module and args.training_script == WORKER_MODULE):
             return config, cmd, cmd_args
         multiprocessing.get_context("forkserver").set_forkserver_preload(["keel.trainer.launch.fork_server"])
@@ -110,6 +115,33 @@ def budgeted(monitor_workers, budget: RestartBudget):
         return result
 
     return monitor
+
+
+def growing_at_checkpoints(num_nodes_waiting, run_dir: Path):
+    """torchrun's count of the nodes waiting to join a running job (a node back to an elastic job, or one more),
+    held at 0 until the run has saved a checkpoint since the first of them arrived (at most GROW_WAIT_S):
+    torchrun restarts the group as soon as it sees one, from the newest checkpoint, and every step since it
+    would be trained again. So the job grows at its next checkpoint."""
+    first_seen: list = [None]  # (when a node was first seen waiting, the newest checkpoint's step then)
+
+    def waiting(handler) -> int:
+        count = num_nodes_waiting(handler)
+        if not count:
+            first_seen[0] = None
+            return 0
+        newest = _newest_checkpoint_step(run_dir)
+        if first_seen[0] is None:
+            first_seen[0] = (time.monotonic(), newest)
+            print(f"keel train: {count} node(s) waiting to join: growing at the next checkpoint", file=sys.stderr, flush=True)
+        since, step = first_seen[0]
+        return count if newest > step or time.monotonic() - since > GROW_WAIT_S else 0
+
+    return waiting
+
+
+def _newest_checkpoint_step(run_dir: Path) -> int:
+    checkpoints = list_checkpoints(run_dir)
+    return checkpoints[-1][0] if checkpoints else 0
 
 
 def counting_membership_restarts(restart_workers):
