@@ -165,9 +165,11 @@ def preempted_thrice(tmp_path_factory):
     preemption makes) preempted three times, at steps drawn at random: SIGTERM to the launcher, to its
     process group, to one worker; each time resumed, then run to its end."""
     run_dir = tmp_path_factory.mktemp("preempted") / "run"
-    steps = sorted(random.Random().sample(range(4, 37), 3))
-    stops = []
-    for target, step in zip(("launcher", "group", "worker"), steps):
+    rng, stops = random.Random(), []
+    for target in ("launcher", "group", "worker"):
+        # A few steps past where the last preemption stopped (the signal may land some steps after the one
+        # aimed at), so that each resumed start trains before its signal comes.
+        step = furthest_step(run_dir) + rng.randint(3, 9)
         stops.append((target, step, *_preempt(run_dir, target, step, "--dp=2", "--steps=40")))
     last = keel("train", "--resume", str(run_dir))
     return run_dir, stops, last
