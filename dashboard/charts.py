@@ -10,6 +10,7 @@ which is also what the tests read back.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +47,9 @@ def draw(panels: list[dict], key: str, columns: int = 1, on_zoom: Callable[[], N
 
 
 def _columns(frame: pd.DataFrame) -> dict[str, list]:
-    """A frame as JSON column arrays, a missing value as null (JSON has no NaN)."""
+    """A frame as JSON column arrays, a missing or infinite value as null: JSON has neither NaN nor Infinity,
+    and the browser refuses the whole chart for one (an Inf loss is a gap; its `nonfinite` event marks it)."""
+    frame = frame.replace([math.inf, -math.inf], math.nan)
     return {name: frame[name].to_numpy(dtype=object, na_value=None).tolist() for name in frame.columns}
 
 

@@ -190,3 +190,14 @@ def test_the_tokens_axis_of_a_run_without_tokens_falls_back_to_steps_and_says_so
     assert any("recorded no tokens" in c.value for c in app.caption)
     loss = _charts(app)["loss"]
     assert loss["x_title"] == "step" and loss["frames"]["lines"].x.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_a_chart_of_an_inf_loss_is_json_the_browser_can_parse():
+    """A run with an Inf loss (a fault, an overflow) drew no chart at all: Python wrote `Infinity`, which the
+    browser's JSON.parse refuses. The step is a gap instead; its `nonfinite` event marks it."""
+    from keel.dashboard.charts import View, line_chart
+
+    series = pd.DataFrame({"x": [1.0, 2.0, 3.0], "step": [1, 2, 3], "value": [2.5, np.inf, -np.inf], "line": ["loss"] * 3})
+    panel = line_chart(series, "line", {"loss": {"colour": "#000", "dash": False}}, "loss", 200, View(), (1.0, 3.0))
+    payload = json.loads(json.dumps(panel, allow_nan=False))  # raises ValueError for an Infinity left in
+    assert payload["frames"]["lines"]["value"] == [2.5, None, None]
