@@ -282,8 +282,7 @@ class Incidents:
         `preempted` (a warning) and `run_stopped` with EXIT_PREEMPTED, without an alert: the scheduler
         requeues the job, and the resume starts after `step`."""
         took = f" in {time.time() - requested:.1f} s" if requested else ""
-        saved = f"step {step} saved{took}" if step else "before the first step, nothing to save"
-        message = f"preempted ({cause}): {saved}; the resume starts at step {step + 1}"
+        message = f"preempted ({cause}): step {step} saved{took}; the resume starts at step {step + 1}"
         data = {"signal": cause, "saved_step": step, "lost_steps": 0, "exit_code": EXIT_PREEMPTED}
         self._note(EventKind.PREEMPTED, message, "warning", step=step, attempt=attempt, data=data)
         reason = f"preempted ({cause})"

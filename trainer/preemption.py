@@ -70,7 +70,8 @@ class Preemption:
                 _end_by(signal.SIGTERM)
             if self.signal is None:
                 self.signal, self.time = info.si_signo, time.time()
-                log.warning("preempted by %s from pid %d: saving at the end of this step", signal.Signals(info.si_signo).name, info.si_pid)
+                # In the rank's log only: `keel train` and its agent say it on the console, once.
+                log.info("preempted by %s from pid %d: saving at the end of this step", signal.Signals(info.si_signo).name, info.si_pid)
                 threading.Timer(self.grace_s, self._expire).start()
 
     def _expire(self) -> None:

@@ -171,10 +171,11 @@ def passing_preemption_on(start_workers):
 
         def pass_on(signum, frame):
             global _preempting
-            if not _preempting:
-                print(f"keel train: {signal.Signals(signum).name}: saving the current step, then stopping", file=sys.stderr, flush=True)
+            first, _preempting = not _preempting, True  # set before printing: a second signal may land mid-print
+            if first:
+                # No signal name: keel train passes its own SIGTERM on as SIGUSR1; its last line names the first.
+                print("keel train: preempted: saving the current step, then stopping", file=sys.stderr, flush=True)
                 note_signal(os.environ[RUN_DIR_ENV], signum)
-            _preempting = True
             for pid in pids.values():  # the pids, not the agent: a handler holding it kept torch's queues alive
                 with contextlib.suppress(ProcessLookupError):  # a worker that has just ended
                     os.kill(pid, signal.SIGUSR1)

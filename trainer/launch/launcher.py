@@ -419,8 +419,9 @@ def preemption_line(run_dir: Path) -> str:
     found = last_event(run_dir, [EventKind.PREEMPTED])
     data = found[1] if found else {"signal": "a signal", "saved_step": 0, "lost_steps": 0}
     lost = f", {data['lost_steps']} steps since lost" if data["lost_steps"] else ""
+    saved = f"step {data['saved_step']} saved" if data["saved_step"] else "no checkpoint yet"
     return (
-        f"keel train: preempted by {data['signal']}: step {data['saved_step']} saved{lost}; "
+        f"keel train: preempted by {data['signal']}: {saved}{lost}; "
         f"exit code {EXIT_PREEMPTED}; resume: keel train --resume {_shown(run_dir)}"
     )
 

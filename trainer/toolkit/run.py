@@ -309,7 +309,7 @@ class KeelRun:
         this step and the run stops with EXIT_PREEMPTED, recorded as `preempted`, a warning (the scheduler
         requeues the job; no one need be woken)."""
         requested = preemption.notice.time
-        if 0 < self.step and self.checkpointer.saved_step < self.step:
+        if self.checkpointer.saved_step < self.step:
             self.watchdog.beat("checkpoint_save", self.step, self.attempt)
             self.checkpointer.save(self.step, self._train_state(), time.time())
         self.checkpointer.wait()
