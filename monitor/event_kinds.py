@@ -18,6 +18,7 @@ class EventKind(StrEnum):
     PREEMPTED = "preempted"  # SIGTERM or SIGUSR1 from a scheduler: the step saved, the job ended inside the grace
     GOODPUT = "goodput"  # the run's goodput at its end
     SINKS_CLOSED = "sinks_closed"  # what each sink cost and lost, at close
+    STORE_STALLED = "store_stalled"  # the run store fell behind (locked, slow or full): how long, what waited, what was lost
     ALERT = "alert"  # an alert sent (keel.monitor.alerts)
     # Faults and what detects them.
     FAULT_INJECTED = "fault_injected"  # a chaos fault acted on a rank

@@ -1,5 +1,6 @@
-"""What the trainer talks to: the run store (written synchronously, so a killed run keeps every
-committed step), the sinks (fed off the training thread), and the alert router."""
+"""What the trainer talks to: the run store (a RunStore, or in a worker a BackgroundStore: each write
+committed when its call returns while the store keeps up, so a killed run keeps every step, and queued
+when it does not), the sinks (fed off the training thread), and the alert router."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ from keel.monitor.alerts import Alert, AlertRouter
 from keel.monitor.event_kinds import EventKind
 from keel.monitor.sinks import Publisher, Sink
 from keel.monitor.store import RunStore
+from keel.monitor.store_writer import BackgroundStore
 
 
 class RunRecorder:
-    def __init__(self, run_id: str, store: RunStore, sinks: list[Sink], alert_throttle_s: float = 300.0, queue_size: int = 1000):
+    def __init__(
+        self, run_id: str, store: RunStore | BackgroundStore, sinks: list[Sink], alert_throttle_s: float = 300.0, queue_size: int = 1000
+    ):
         self.store = store
         self.publisher = Publisher(sinks, queue_size)
         self.alerts = AlertRouter(run_id, store, self.publisher, throttle_s=alert_throttle_s)
@@ -47,6 +51,10 @@ class RunRecorder:
                 "data": data or {},
             }
         )
+
+    def flush(self) -> bool:
+        """Waits until every step and event so far is in the store; False when it is still blocked."""
+        return self.store.flush()
 
     def alert(self, alert: Alert) -> bool:
         return self.alerts.raise_alert(alert)

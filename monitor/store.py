@@ -265,6 +265,10 @@ class RunStore:
         with self._lock, self._conn:
             self._conn.execute(_INSERT_META, (key, encoded))
 
+    def flush(self) -> bool:
+        """Nothing to wait for: each write is committed when it returns (see keel.monitor.store_writer)."""
+        return True
+
     def close(self) -> None:
         """Closes the writer, leaving WAL mode first: a finished store is then one self-contained file.
         Readers open the store read-only, and a read-only connection can neither check a WAL back into the

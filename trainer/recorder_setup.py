@@ -11,6 +11,7 @@ from keel.monitor.recorder import RunRecorder
 from keel.monitor.redact import redact
 from keel.monitor.sinks import Sink, SinkError
 from keel.monitor.store import RunStore
+from keel.monitor.store_writer import BackgroundStore
 from keel.trainer.config import JobConfig
 
 log = logging.getLogger("keel.train")
@@ -54,5 +55,5 @@ def build_sinks(cfg: JobConfig, run_dir: Path, prometheus: bool = True) -> list[
 
 
 def build_recorder(cfg: JobConfig, run_dir: Path) -> RunRecorder:
-    store = RunStore(run_dir)
+    store = BackgroundStore(RunStore(run_dir))  # a stalled store must not stall the step (keel.monitor.store_writer)
     return RunRecorder(cfg.run.run_id, store, build_sinks(cfg, run_dir), cfg.monitor.alert_throttle_s, cfg.monitor.sink_queue_size)

@@ -46,6 +46,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  #
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler  # noqa: E402
 
 from keel.monitor.exits import EXIT_PREEMPTED
+from keel.monitor.log_file import LogFile
 from keel.monitor.run_dir import AGENT_LOG, LOG_DIR, list_checkpoints
 from keel.trainer.launch.failure_board import FailureBoard
 from keel.trainer.launch.forked_worker import forked_main
@@ -211,7 +212,7 @@ def _logs_off_console(run_dir: Path) -> None:
     """torchrun's log lines (a traceback per failure, most of them about the peers that saw a connection
     drop) go to RUN_DIR/logs/agent.log; the console gets Keel's one line per failure."""
     (run_dir / LOG_DIR).mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(run_dir / LOG_DIR / AGENT_LOG, delay=True)  # no file for a run torch said nothing of
+    handler = LogFile(run_dir / LOG_DIR / AGENT_LOG, delay=True)  # no file for a run torch said nothing of
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     # torch gives its own stderr handler to "torch" and to some packages below it (torch.distributed).
     names = ["torch", *(n for n in logging.root.manager.loggerDict if n.startswith("torch."))]

@@ -37,6 +37,7 @@ from keel.chaos.faults import FaultPlan
 from keel.monitor import run_lock
 from keel.monitor.event_kinds import EventKind
 from keel.monitor.exits import EXIT_CONFIG, EXIT_OK, EXIT_PREEMPTED, EXIT_ROLLBACK_CAP
+from keel.monitor.log_file import LogFile
 from keel.monitor.redact import redact
 from keel.monitor.run_dir import CONFIG_FILE, LOG_DIR, rank_log_name
 from keel.monitor.stragglers import StragglerTracker
@@ -341,6 +342,8 @@ class KeelRun:
         # Imported here: goodput needs pandas, 0.5 s of CPU that only rank 0 pays, once, at the end.
         from keel.monitor.goodput import goodput_of_run
 
+        recorder.flush()  # goodput reads the store back
+
         goodput = goodput_of_run(self.run_dir)
         recorder.store.set_meta("goodput", goodput.to_dict())
         recorder.event(EventKind.GOODPUT, goodput.summary(), step=self.step, attempt=self.attempt, rank=0, data=goodput.to_dict())
@@ -408,7 +411,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     global _fault_log
     _fault_log = open(log_path, "a")  # noqa: SIM115 (held open for the life of the process, for faulthandler)
     faulthandler.enable(file=_fault_log)
-    handler = logging.FileHandler(log_path)
+    handler = LogFile(log_path)
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("keel")
     for old in list(root.handlers):  # a second run in one process (benchmarks) logs to its own run only
