@@ -17,6 +17,7 @@ EXIT_ROLLBACK_CAP = 4  # too many rollbacks without progress: the run stopped in
 EXIT_OOM_RESTART = 5  # out of memory with collectives in flight: restart with half the micro-batch
 EXIT_OOM = 6  # out of memory and the micro-batch cannot be halved again
 EXIT_RESTART_CAP = 7  # the workers failed too many times in a row without progress (keel.trainer.launch.restarts)
+EXIT_SAVES_FAILING = 8  # checkpoints failed several times in a row (a disk that stays full): the run stopped
 EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as a shell reports it
 # Preempted (SIGTERM, or SIGUSR1 from SLURM's --signal): the current step saved, or the newest checkpoint
 # stands. 128 + SIGTERM, as a shell reports it, so a scheduler that retries signal exits (Kubeflow's
@@ -33,6 +34,7 @@ EXIT_MEANINGS = {
     EXIT_OOM_RESTART: "OOM restart",
     EXIT_OOM: "out of memory at the smallest micro-batch",
     EXIT_RESTART_CAP: "restart budget spent: failures in a row without progress",
+    EXIT_SAVES_FAILING: "checkpoints failing: saves failed in a row",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
     EXIT_PREEMPTED: "preempted: saved, to be resumed",
 }

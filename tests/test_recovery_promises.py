@@ -43,12 +43,14 @@ def timed_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def spike_run(tmp_path_factory):
-    """Saves by the step count only (interval_minutes=0), a spike from bad data found late, its rollback and the lowered LR."""
+    """Saves by the step count only (interval_minutes=0), a spike from bad data found late, its rollback and the lowered LR.
+    No in-memory snapshots: the rollback must find its checkpoint on disk, among those retention kept."""
     run_dir = tmp_path_factory.mktemp("lookback") / "run"
     train(run_dir, *TINY, f"--steps={SPIKE_STEPS}", f"--checkpoint.interval_steps={EVERY}", "--checkpoint.interval_minutes=0",
           f"--checkpoint.keep={KEEP}", f"--checkpoint.keep_lookback_steps={LOOKBACK}", "--spike.warmup_steps=12",
           "--spike.min_baseline=8", f"--spike.persistence={PERSISTENCE}", f"--fault=spike@step={SPIKE_AT},steps={PERSISTENCE}",
-          f"--recovery.lr_factor={LR_FACTOR}", f"--recovery.lr_factor_steps={LR_FACTOR_STEPS}")  # fmt: skip
+          f"--recovery.lr_factor={LR_FACTOR}", f"--recovery.lr_factor_steps={LR_FACTOR_STEPS}",
+          "--checkpoint.snapshot_cost=0")  # fmt: skip
     return run_dir
 
 

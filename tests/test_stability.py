@@ -90,37 +90,47 @@ def test_nan_is_skipped_on_every_rank_and_three_in_a_row_roll_back(tmp_path):
         assert [f"step {s} skipped" in log for s in (5, 10, 11, 12)] == [True] * 4
     assert list(events_of(run_dir, "nonfinite").step) == [5, 10, 11, 12]
     rollback = events_of(run_dir, "rollback").iloc[0]
-    assert rollback["data"]["from_step"] == 12 and rollback["data"]["to_step"] == 8 and rollback["data"]["bad_from"] == 10
+    # Back to the newest in-memory snapshot before the first of the three (a checkpoint every 4 steps would give 8).
+    to_step = rollback["data"]["to_step"]
+    assert rollback["data"]["from_step"] == 12 and rollback["data"]["bad_from"] == 10
+    assert rollback["data"]["in_memory"] and 0 <= to_step < 10
     assert len(events_of(run_dir, "skip_data")) == 1
     assert list(run.step) == list(range(1, 21))
-    assert list(run[run.skipped == 1].step) == [5]  # 10..12 were rolled back; step 5 stays a skipped step
+    # 10..12 were rolled back; step 5 stays a skipped step unless the snapshot was older (the fault fires once)
+    assert list(run[run.skipped == 1].step) == ([5] if to_step >= 5 else [])
     assert np.isfinite(run[run.skipped == 0].loss).all()
-    assert (run[run.step > 8].attempt == 1).all()
+    assert (run[run.step > to_step].attempt == 1).all() and (run[run.step <= to_step].attempt == 0).all()
     assert run.loss.iloc[-1] < run.loss.iloc[0] - 1.0
 
 
 SPIKE_RUN = [*TINY, "--steps", "160", "--checkpoint.interval_steps=20", "--spike.warmup_steps=30", "--optim.warmup_steps=20"]
 
 
-def test_real_loss_spike_is_detected_rolled_back_and_its_data_skipped(tmp_path):
-    """Five batches of random bytes at steps 100..104 give a real spike. The detector confirms it, the
-    run restores the checkpoint of step 80, skips every batch read since then, and ends on its trend."""
-    ref = train(tmp_path / "ref", *SPIKE_RUN)
+def test_real_loss_spike_is_detected_rolled_back_and_its_data_skipped_with_default_settings(tmp_path):
+    """Five batches of random bytes at steps 100..104 give a real spike, in a run with Keel's default
+    checkpoint settings: no checkpoint until its end (Young's interval is 30 minutes). The detector confirms
+    the spike, the run restores its newest in-memory snapshot before step 100, skips every batch read since
+    then, and ends on its trend."""
+    spike_run = [arg for arg in SPIKE_RUN if not arg.startswith("--checkpoint.")]
+    ref = train(tmp_path / "ref", *spike_run)
     run_dir = tmp_path / "spike"
-    run = train(run_dir, *SPIKE_RUN, "--fault", "spike@step=100,steps=5")
+    run = train(run_dir, *spike_run, "--fault", "spike@step=100,steps=5")
     events = read_events(run_dir)
-    story = events[events.kind.isin(["loss_outlier", "spike", "rollback", "skip_data"])]
+    assert list(events[events.kind == "checkpoint_saved"].step) == [160]
+    story = events[events.kind.isin(["loss_outlier", "spike", "rollback", "rollback_failed", "skip_data"])]
     assert list(story.kind) == ["loss_outlier", "spike", "rollback", "skip_data"]
     outlier, spike, rollback, skip = (story.iloc[i] for i in range(4))
     assert outlier["step"] == 100 and spike["data"]["start_step"] == 100 and 100 < spike["step"] <= 110
-    assert rollback["data"]["to_step"] == 80 and rollback["data"]["from_step"] == spike["step"]
-    # Batches 80.. (read from step 81 on) up to the confirmation and the margin are never read again.
-    assert skip["data"]["first_batch"] == 80 and skip["data"]["end_batch"] == spike["step"] + 5
+    to_step = rollback["data"]["to_step"]
+    assert rollback["data"]["in_memory"] and 0 <= to_step < 100 and rollback["data"]["from_step"] == spike["step"]
+    assert f"to the in-memory snapshot of step {to_step}" in rollback["message"]
+    # Batches to_step.. (read from step to_step + 1 on) up to the confirmation and the margin are never read again.
+    assert skip["data"]["first_batch"] == to_step and skip["data"]["end_batch"] == spike["step"] + 5
     assert list(run.step) == list(range(1, 161))
-    # Steps up to the checkpoint are the clean run's. After it, the run is exactly a clean run that
-    # never read the skipped batches: the rollback left nothing of the spike behind.
-    np.testing.assert_array_equal(run[run.step <= 80].loss.to_numpy(), ref[ref.step <= 80].loss.to_numpy())
-    same_skip = train(tmp_path / "same-skip", *SPIKE_RUN, f"--data.skip_batches=80:{skip['data']['end_batch']}")
+    # Steps up to the snapshot are the clean run's. After it, the run is exactly a clean run that never
+    # read the skipped batches: the rollback left nothing of the spike behind.
+    np.testing.assert_array_equal(run[run.step <= to_step].loss.to_numpy(), ref[ref.step <= to_step].loss.to_numpy())
+    same_skip = train(tmp_path / "same-skip", *spike_run, f"--data.skip_batches={to_step}:{skip['data']['end_batch']}")
     np.testing.assert_array_equal(run.loss.to_numpy(), same_skip.loss.to_numpy())
     # And it ends on the clean run's trend: the last 30 losses (per-step noise about 0.3) agree in the mean.
     assert abs(run.loss.tail(30).mean() - ref.loss.tail(30).mean()) < 0.1 * ref.loss.tail(30).mean()

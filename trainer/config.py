@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import os
 import tomllib
 import types
@@ -268,10 +269,26 @@ class CheckpointConfig:
     keep: int = 3  # the newest K checkpoints are kept ...
     keep_lookback_steps: int = 200  # ... plus one at least this many steps older (under twice that), for a rollback past them
     async_save: bool = True  # training goes on while the shards are written
+    # In-memory snapshots (keel.trainer.checkpoint.snapshots): a rollback restores the newest one before the
+    # bad steps, in milliseconds. Taken as often as their copies stay under this fraction of the step time
+    # (0: none; a rollback then needs a checkpoint) ...
+    snapshot_cost: float = 0.01
+    snapshot_every_steps: int = 0  # ... or every this many steps (0: as snapshot_cost allows)
+    # The newest two are also written here, in host memory (a tmpfs), so that a restart after a crash, hang or
+    # out-of-memory resumes from them rather than from the last checkpoint; removed when the run ends. "": none.
+    snapshot_dir: str = "/dev/shm"
     # On SIGTERM or SIGUSR1 (a preemption: SLURM, Kubernetes) the run saves the current step and ends within
     # this many seconds; a save that cannot finish in time leaves the newest complete checkpoint. Keep it
     # under the scheduler's own grace (SLURM's KillWait and Kubernetes' terminationGracePeriodSeconds: 30).
     preempt_grace_s: float = 20.0
+
+    def snapshot_folder(self, run_dir: str | Path) -> Path | None:
+        """The folder in snapshot_dir for the run in `run_dir` (named by its path: two runs never share one);
+        None when snapshot files are off (keel.trainer.checkpoint.snapshots)."""
+        if not self.snapshot_dir:
+            return None
+        key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+        return Path(self.snapshot_dir) / f"keel-snapshots-{key}"
 
     def validate(self) -> None:
         if not self.preempt_grace_s > 0:
@@ -282,6 +299,11 @@ class CheckpointConfig:
         at_least("checkpoint.interval_steps", self.interval_steps, 0, "0 turns step-based saves off")
         at_least("checkpoint.interval_minutes", self.interval_minutes, 0, "0 turns time-based saves off")
         at_least("checkpoint.keep", self.keep, 1)
+        at_least("checkpoint.snapshot_every_steps", self.snapshot_every_steps, 0, "0 takes snapshots as often as snapshot_cost allows")
+        if not 0 <= self.snapshot_cost < 1:
+            raise ConfigError(
+                f"checkpoint.snapshot_cost={self.snapshot_cost}: must be in [0, 1), a fraction of the step time; 0 turns snapshots off"
+            )
         at_least("checkpoint.keep_lookback_steps", self.keep_lookback_steps, 0)
 
 

@@ -73,11 +73,13 @@ class Incidents:
             "from_step": step,
             "to_step": restored.step,
             "bad_from": bad_from,
-            "checkpoint": restored.path.name,
+            "checkpoint": restored.label,
+            "in_memory": restored.in_memory,
             "load_s": restored.load_s,
             "discarded": discarded,
         }
-        message = f"rolled back from step {step} to the checkpoint of step {restored.step} ({reason})"
+        target = restored.label if restored.in_memory else f"the checkpoint of step {restored.step}"
+        message = f"rolled back from step {step} to {target} ({reason})"
         self._note(EventKind.ROLLBACK, message, "critical", step=step, attempt=attempt, data=data, alert="rollback")
         first, end = skipped
         if end > first:
@@ -94,7 +96,7 @@ class Incidents:
         self._corrupt(corrupt, attempt)
         self._note(
             EventKind.ROLLBACK_FAILED,
-            f"cannot roll back ({reason}): no good checkpoint before step {bad_from}; training goes on",
+            f"cannot roll back ({reason}): no snapshot or good checkpoint before step {bad_from}; training goes on",
             "critical",
             step=step,
             attempt=attempt,
@@ -117,10 +119,10 @@ class Incidents:
         self._corrupt(restored.corrupt, attempt)
         self._note(
             EventKind.CHECKPOINT_LOADED,
-            f"loaded {restored.path.name} in {restored.load_s:.2f} s",
+            f"loaded {restored.label} in {restored.load_s:.2f} s",
             step=restored.step,
             attempt=attempt,
-            data={"path": str(restored.path), "load_s": restored.load_s},
+            data={"path": None if restored.in_memory else str(restored.path), "in_memory": restored.in_memory, "load_s": restored.load_s},
         )
         if restored.layout_change:
             self._note(

@@ -16,6 +16,7 @@ generators (Python's, NumPy's), pickled into the checkpoint as bytes (DCP stores
 
 from __future__ import annotations
 
+import errno
 import importlib.metadata
 import json
 import logging
@@ -38,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -45,6 +47,7 @@ from keel.monitor.checkpoints import verify
 from keel.monitor.hashing import sha256_file
 from keel.monitor.run_dir import CHECKPOINT_DIR, MANIFEST, checkpoint_name, list_checkpoints
 from keel.trainer.checkpoint.manifest import config_record, vet_resume
+from keel.trainer.checkpoint.snapshots import SnapshotFiles, Snapshots, agree_on_files
 from keel.trainer.config import CheckpointConfig, JobConfig
 
 log = logging.getLogger("keel.checkpoint")
@@ -53,6 +56,8 @@ log = logging.getLogger("keel.checkpoint")
 # nested form keys groups by position, and pipeline stages have different groups under the same
 # position: DCP would keep one stage's and hand it to every rank.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# Less free space than this where a save failed: the disk is full, whatever error the writer raised.
+_FULL_BYTES = 1 << 20
 
 
 def _free_name(path: Path, suffix: str) -> Path:
@@ -97,6 +102,12 @@ class Restored:
     load_s: float
     corrupt: list[str]  # what was wrong with each newer checkpoint that was passed over
     layout_change: str | None = None  # a resume at another parallel layout: what changed
+    in_memory: bool = False  # restored from an in-memory snapshot (keel.trainer.checkpoint.snapshots), not from `path`
+
+    @property
+    def label(self) -> str:
+        """What was restored, as events name it."""
+        return f"the in-memory snapshot of step {self.step}" if self.in_memory else self.path.name
 
 
 class Checkpointer:
@@ -114,6 +125,7 @@ class Checkpointer:
         manifest_info: dict,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         host_rng: bool = False,
+        snapshot_lookback_steps: int = 0,
     ):
         self.cfg, self.rank, self.world = cfg, rank, world
         if world == 1:
@@ -148,7 +160,15 @@ class Checkpointer:
         self._results: list[SaveResult] = []
         self._lock = threading.Lock()
         self.saved_step, self.saved_time = 0, time.time()  # the state on disk (saved, or just loaded), and when
+        self.failed_in_row = 0  # saves that failed since the last one that succeeded (every rank counts those it saw)
+        self.last_error = ""  # the cause of the last failed save, in one line (rank 0)
         self.corrupt: list[str] = []
+        # Rollbacks and restarts restore from memory when they can: see keel.trainer.checkpoint.snapshots.
+        folder = cfg.snapshot_folder(run_dir)
+        self.files = None if folder is None else SnapshotFiles(folder, rank, {**manifest_info, "world": world})
+        self.snapshots = Snapshots(
+            model, optimizer, scheduler, host_rng, cfg.snapshot_cost, cfg.snapshot_every_steps, snapshot_lookback_steps, self.files
+        )
 
     @property
     def enabled(self) -> bool:
@@ -214,15 +234,19 @@ class Checkpointer:
             self.blocking_s = time.perf_counter() - started
             self.staging.add_done_callback(lambda f: self._staged(f, step, tmp, train_state, started))
         else:
-            dcp.save(state, checkpoint_id=tmp)
-            self.blocking_s = time.perf_counter() - started
             done: Future = Future()
-            done.set_result(None)
+            try:
+                dcp.save(state, checkpoint_id=tmp)
+                done.set_result(None)
+            except (Exception, CheckpointException) as e:  # recorded by _finish; training goes on
+                done.set_exception(e)
+            self.blocking_s = time.perf_counter() - started
             self._finish(done, step, tmp, train_state, started)
         return self.blocking_s
 
     def before_update(self) -> None:
-        """Called before the optimizer changes the parameters: waits until a save in flight has copied them."""
+        """Called before the optimizer changes the parameters: waits until a save or a snapshot in flight has copied them."""
+        self.snapshots.before_update()
         if self.staging is not None and not self.staging.done():
             started = time.perf_counter()
             wait_for([self.staging])
@@ -236,19 +260,26 @@ class Checkpointer:
 
     def _finish(self, future: Future, step: int, tmp: Path, train_state: dict, started: float) -> None:
         """Runs when this rank's part of a save is complete. On rank 0 that means the whole save is
-        (DCP's coordinator writes the metadata after every rank reported its files): seal it."""
+        (DCP's coordinator writes the metadata after every rank reported its files): seal it. A save that
+        failed is counted in `failed_in_row` (on every rank that saw it fail) and training goes on."""
         try:
             if self.rank != 0:
+                self.failed_in_row = 0 if future.exception() is None else self.failed_in_row + 1
                 return
             final = self.dir / checkpoint_name(step)
-            error = None if future.exception() is None else f"{type(future.exception()).__name__}: {future.exception()}"
+            error = None if future.exception() is None else save_error(future.exception(), tmp)
             removed: list[str] = []
             if error is None:
                 try:
                     self._seal(step, tmp, final, train_state)
                     removed = self._apply_retention()
+                    self.failed_in_row = 0
                 except OSError as e:
-                    error = f"{type(e).__name__}: {e}"
+                    error = save_error(e, tmp)
+            if error is not None:
+                self.last_error = error
+                shutil.rmtree(tmp, ignore_errors=True)  # never loadable, and it holds the space a retry needs
+                self.failed_in_row += 1
             with self._lock:
                 self._results.append(SaveResult(step, final, self.blocking_s, time.perf_counter() - started, error, removed))
         finally:
@@ -303,15 +334,18 @@ class Checkpointer:
         return results
 
     def wait(self) -> None:
-        """Blocks until this rank's save in flight is written (and sealed, on rank 0)."""
+        """Blocks until this rank's save in flight is written (and sealed, on rank 0), or failed: a failed
+        save is recorded (`_finish`, `poll`), never raised, and the next save tries again."""
         if self.staging is not None:
-            upload = self.staging.result()
-            upload.result()
+            wait_for([self.staging])
+            if self.staging.exception() is None:
+                wait_for([self.staging.result()])
             self.staging = None
         self._finalized.wait()
 
     def close(self) -> None:
         self.wait()
+        self.snapshots.close()
         self._stage_thread.shutdown()
         if self.stager is not None:
             self.stager.close()
@@ -325,6 +359,24 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)
             log.info("removed %s, a save that never completed", partial.name)
 
+    def resume_latest(self, device: torch.device) -> Restored | None:
+        """At a restart or resume: the newest state there is, from the snapshot files every rank has (a restart
+        on the same nodes: keel.trainer.checkpoint.snapshots) when they are newer than the newest checkpoint,
+        else from that checkpoint (load_latest). Collective."""
+        started = time.perf_counter()
+        newest = -1
+        if self.rank == 0:
+            self._remove_partial_saves()
+            found = list_checkpoints(self.dir.parent)
+            newest = found[-1][0] if found else -1
+        snapshot = agree_on_files(self.files, newest, self.world, device) if self.snapshots.enabled else None
+        if snapshot is None:
+            return self.load_latest(resuming=True)
+        self.snapshots.restore(snapshot)
+        self.saved_step, self.saved_time = max(newest, 0), time.time()
+        path = self.dir / checkpoint_name(snapshot.step)
+        return Restored(snapshot.step, path, snapshot.train_state, time.perf_counter() - started, [], in_memory=True)
+
     def load_latest(self, before_step: int | None = None, resuming: bool = False) -> Restored | None:
         """Loads the newest checkpoint that verifies (and, with `before_step`, was saved before that step).
         Collective: rank 0 chooses, every rank loads the same one. None when there is none. When
@@ -334,8 +386,6 @@ class Checkpointer:
         started = time.perf_counter()
         choice: list = [None, []]
         if self.rank == 0:
-            if resuming:
-                self._remove_partial_saves()
             choice = self._choose(before_step)
         if self.world > 1:
             dist.broadcast_object_list(choice, src=0)
@@ -367,6 +417,20 @@ class Checkpointer:
             dist.barrier()
         return Restored(step, path, manifest["train_state"], time.perf_counter() - started, corrupt, layout_change)
 
+    def restore_before(self, before_step: int) -> Restored | None:
+        """For a rollback: restores the newest state saved before `before_step`, from an in-memory snapshot
+        when one is that old (every rank keeps the same ones), else from the newest good checkpoint
+        (load_latest). None when there is neither."""
+        started = time.perf_counter()
+        snapshot = self.snapshots.newest_before(before_step)
+        if snapshot is None:
+            return self.load_latest(before_step=before_step)
+        self.snapshots.restore(snapshot)
+        self.corrupt = []
+        self.saved_step = min(self.saved_step, snapshot.step)  # the saves after it are discarded (discard_after)
+        path = self.dir / checkpoint_name(snapshot.step)
+        return Restored(snapshot.step, path, snapshot.train_state, time.perf_counter() - started, [], in_memory=True)
+
     def _choose(self, before_step: int | None) -> list:
         corrupt = []
         for step, path in reversed(list_checkpoints(self.dir.parent)):
@@ -382,7 +446,8 @@ class Checkpointer:
 
     def discard_after(self, step: int) -> list[str]:
         """Deletes the checkpoints saved after `step` (rank 0): after a rollback they hold the abandoned
-        trajectory, and a restart must not resume into it."""
+        trajectory, and a restart must not resume into it. On every rank: the snapshots after `step` too."""
+        self.snapshots.discard_after(step)
         removed = []
         if self.rank == 0:
             for s, p in list_checkpoints(self.dir.parent):
@@ -390,6 +455,22 @@ class Checkpointer:
                     shutil.rmtree(p, ignore_errors=True)
                     removed.append(p.name)
         return removed
+
+
+def save_error(error: BaseException, folder: Path) -> str:
+    """A failed save's cause in one line: the first failing rank's own error out of DCP's wrapper (whose text
+    is a traceback per rank), and the space left where the save was written. A full disk shows as ENOSPC or,
+    from torch's own writer, as an "unexpected pos" RuntimeError: named as what it is either way."""
+    where = ""
+    while isinstance(error, CheckpointException) and error.failures:
+        rank, (error, _) = min(error.failures.items())
+        where = f" on rank {rank}"
+    text = (str(error).strip().splitlines() or [""])[0]
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    full = (isinstance(error, OSError) and error.errno == errno.ENOSPC) or free < _FULL_BYTES
+    cause = "disk full: " if full else ""
+    return f"{cause}{type(error).__name__}{where}: {text} ({free / 2**20:.1f} MiB free on {existing})"
 
 
 def missing_shards(folder: Path) -> list[str]:

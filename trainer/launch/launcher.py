@@ -18,6 +18,7 @@ import argparse
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import sqlite3
@@ -323,6 +324,10 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the workers
         record_interrupt(run_dir)
         return EXIT_INTERRUPTED
+    finally:  # the snapshot files this node's workers left (a crash's last restart, a kill): host memory, given back
+        folder = cfg.checkpoint.snapshot_folder(run_dir)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
     code = exit_code_of_run(run_dir, code)
     if preempted_by and code not in (EXIT_OK, EXIT_PREEMPTED):
         code = record_unsaved_preemption(run_dir, *preempted_by[0])

@@ -81,7 +81,7 @@ class Failure:
         fault = f" (injected {self.fault})" if self.fault else ""
         return f"{who} ended by {self.cause()} after step {self.step}{fault}"
 
-    def console_line(self, max_in_a_row: int, then: str = "restarting from the newest good checkpoint") -> str:
+    def console_line(self, max_in_a_row: int, then: str = "restarting from the newest snapshot or checkpoint") -> str:
         """The one line a failure gets on the console."""
         if self.gave_up:
             return f"keel train: {self.describe()}: {self.in_a_row} failures in a row without progress; giving up"

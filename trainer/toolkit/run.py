@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import logging
+import math
 import os
 import signal
 import socket
@@ -36,7 +37,7 @@ from keel.chaos.fault_specs import parse_fault, random_faults
 from keel.chaos.faults import FaultPlan
 from keel.monitor import run_lock
 from keel.monitor.event_kinds import EventKind
-from keel.monitor.exits import EXIT_CONFIG, EXIT_OK, EXIT_PREEMPTED, EXIT_ROLLBACK_CAP
+from keel.monitor.exits import EXIT_CONFIG, EXIT_OK, EXIT_PREEMPTED, EXIT_ROLLBACK_CAP, EXIT_SAVES_FAILING
 from keel.monitor.log_file import LogFile
 from keel.monitor.redact import redact
 from keel.monitor.run_dir import CONFIG_FILE, LOG_DIR, rank_log_name
@@ -56,6 +57,9 @@ from keel.trainer.watchdog import Watchdog
 
 log = logging.getLogger("keel.run")
 _fault_log = None  # the file faulthandler writes a crash's stacks to (see setup_logging)
+# A failed save is recorded and retried at the next; this many in a row (a disk that stays full) stop the
+# run, with the cause, rather than train on with nothing durable to come back to.
+SAVE_FAILURES_TO_STOP = 3
 
 
 class KeelUsageError(RuntimeError):
@@ -113,11 +117,16 @@ class KeelRun:
         a verdict to its caller."""
         cfg = self.cfg
         self.data = data
+        # How far before a verdict's step its first bad step can be: a spike's run of outliers begins up to
+        # persistence - 1 steps before its first outlier and is confirmed persistence - 1 steps after it.
+        lookback = max(2 * cfg.spike.persistence, cfg.recovery.nonfinite_limit)
         self.checkpointer = Checkpointer(
-            cfg.checkpoint, self.run_dir, model, optimizer, self.rank, self.world, manifest_info, scheduler, host_rng
+            cfg.checkpoint, self.run_dir, model, optimizer, self.rank, self.world, manifest_info, scheduler, host_rng, lookback
         )
         if peer_groups is not None:
             self.stragglers = StragglerTracker(cfg.stragglers, self.world, peer_groups)
+        if not self.resuming and self.checkpointer.files is not None:
+            self.checkpointer.files.remove()  # left by an earlier run of this directory that died: never this run's
 
     def record_start(self, meta: dict, description: str) -> None:
         """Rank 0: `meta` into the store's meta and `run_started` with `description`; what the earlier starts
@@ -130,8 +139,9 @@ class KeelRun:
             self._record_run_start(meta, description)
 
     def resume(self) -> None:
-        """When the run is resumed or restarted: loads the newest good checkpoint (see `_resume`). Then rank 0
-        writes the run's config (not when the checkpoint refused it: the run's own stays)."""
+        """When the run is resumed or restarted: loads the newest state, from snapshot files or the newest good
+        checkpoint (see `_resume`). Then rank 0 writes the run's config (not when the checkpoint refused it:
+        the run's own stays)."""
         if self.resuming and self.checkpointer is not None:
             self._resume(self._last_step, self._vanished)
         if self.recorder is not None and self.exit_code == EXIT_OK:
@@ -146,6 +156,8 @@ class KeelRun:
             self.device, self.world, tokens_per_step, flops_per_token, peak_flops_total, self.recorder, line,
             rank_rows_every_step=self.cfg.metrics.rank_rows == "every_step",
         )  # fmt: skip
+        if self.checkpointer is not None and self.checkpointer.snapshots.enabled:
+            self.checkpointer.snapshots.take(self.step, self._train_state())  # a rollback can always go back to the start
         log.info("starting training at step %d (attempt %d)", self.step + 1, self.attempt)
 
     def _record_run_start(self, meta: dict, description: str) -> None:
@@ -159,12 +171,13 @@ class KeelRun:
         recorder.event(EventKind.RUN_STARTED, description, step=0, attempt=self.attempt, rank=0, data=data)
 
     def _resume(self, last_step: float | None, vanished: bool) -> None:
-        """Loads the newest good checkpoint and the data position and guard state saved with it; after a
+        """Loads the newest snapshot files every rank has, or else the newest good checkpoint, and the data
+        position and guard state saved with it; after a
         restart, also reports the stalls and the restart itself with its cause (rank 0), and after the
         processes vanished, the node loss. A checkpoint of another model or data ends the run instead."""
         self.watchdog.beat("checkpoint_load", 0, self.attempt)
         try:
-            restored = self.checkpointer.load_latest(resuming=True)
+            restored = self.checkpointer.resume_latest(self.device)
         except ConfigError as e:
             self.refuse(str(e))
             return
@@ -226,7 +239,9 @@ class KeelRun:
         verdict: stops, rolls back, or saves a checkpoint when one is due. Returns the row and the verdict."""
         self.faults.end_step()
         self.faults.before_collective()
-        row, fault_ranks = self.reporter.report(numbers, preemption.notice.requested)
+        checkpointer = self.checkpointer
+        copy_s, save_failures = (checkpointer.snapshots.copy_s, checkpointer.failed_in_row) if checkpointer else (math.nan, 0)
+        row, fault_ranks = self.reporter.report(numbers, preemption.notice.requested, copy_s, save_failures)
         self.watchdog.step_finished(row["step_time_s"])
         if self.watchdog.collective_timeout_s() != self.tight_timeout_s:
             self.tight_timeout_s = self.watchdog.collective_timeout_s()
@@ -241,8 +256,13 @@ class KeelRun:
             self.incidents.stopped(self.step, self.attempt, verdict.reason, self.exit_code)
         elif verdict.action == "rollback":
             self.roll_back(verdict)
+        elif self.reporter.save_failures_in_row >= SAVE_FAILURES_TO_STOP:
+            self.exit_code = EXIT_SAVES_FAILING
+            reason = f"{self.reporter.save_failures_in_row} checkpoints in a row failed, the last: {checkpointer.last_error}"
+            self.incidents.stopped(self.step, self.attempt, reason, self.exit_code)
         else:
             self.save_if_due(row["time"])
+            self.snapshot_if_due(row["step_time_s"])
         return row, verdict
 
     def _judge(self, row: dict, fault_ranks: list[int], skipped: bool, sampled_comm: bool) -> Verdict:
@@ -255,15 +275,16 @@ class KeelRun:
         return verdict
 
     def roll_back(self, verdict: Verdict) -> None:
-        """Restores the newest good checkpoint saved before the bad steps and moves the data past the bad
-        window (recovery.skip_data) or back to the checkpoint's data; a new attempt begins there."""
+        """Restores the newest in-memory snapshot, or else good checkpoint, from before the bad steps and moves
+        the data past the bad window (recovery.skip_data) or back to the restored data position; a new attempt
+        begins there."""
         step = self.step
         # A save still being written belongs to this attempt: recorded before the next attempt begins.
         self.checkpointer.wait()
         self.incidents.saved(self.checkpointer.poll(), self.attempt)
         self.watchdog.beat("checkpoint_load", step, self.attempt)
         self.set_collective_timeout(self.cfg.watchdog.checkpoint_s + 60)  # rank 0 verifies while the others wait
-        restored = self.checkpointer.load_latest(before_step=verdict.bad_from)
+        restored = self.checkpointer.restore_before(verdict.bad_from)
         self.set_collective_timeout(self.tight_timeout_s)
         if restored is None:
             self.incidents.no_rollback_target(step, self.attempt, verdict.reason, verdict.bad_from, self.checkpointer.corrupt)
@@ -294,6 +315,12 @@ class KeelRun:
         ):
             self.reporter.restart_clock()
         self.incidents.saved(self.checkpointer.poll(), attempt)
+
+    def snapshot_if_due(self, step_time_s: float) -> None:
+        """Takes an in-memory snapshot of the state after this step when one is due (keel.trainer.checkpoint.snapshots)."""
+        snapshots = self.checkpointer.snapshots
+        if snapshots.due(self.step, step_time_s, self.reporter.snapshot_copy_s):
+            snapshots.take(self.step, self._train_state())
 
     def _train_state(self) -> dict:
         """What a checkpoint records besides the tensors, to resume the run from it."""

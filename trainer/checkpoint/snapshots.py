@@ -1,0 +1,372 @@
+"""In-memory snapshots: this rank's last few states in host memory, so that a rollback restores a step just
+before the bad ones in milliseconds, rather than the newest durable checkpoint, which Young's interval puts
+up to half an hour back (the idea of Gemini, SOSP 2023, and of the local checkpoints of NVIDIA's
+resiliency extension).
+
+A snapshot is taken after a step's update. The parameters and optimizer state are copied into host
+buffers kept from snapshot to snapshot while the next step's forward and backward run: on a GPU into
+pinned memory on a side stream, on a CPU by a thread (torch's copies release the GIL). The next update
+waits for the copy only if it is not done (`before_update`). Beside the tensors a snapshot keeps what a
+rollback needs to go on from its step: the train state (data position, guard), the random generators
+and the LR scheduler.
+
+The newest two snapshots of each rank are also written to files in host memory (`checkpoint.snapshot_dir`,
+/dev/shm: a tmpfs) by the same thread, after the copy, so that they outlive the worker: a restart after a
+crash, a hang or an out-of-memory restores the newest step every rank has there (`SnapshotFiles`), and
+goes back to the newest durable checkpoint only when there is none (a node lost with its memory, another
+layout). They are read with torch.load(weights_only=True): nothing read back can run code.
+
+How often is measured, not guessed: every rank's copy time is agreed each step (StepReporter), and the
+interval is the smallest number of steps that keeps the copies under `checkpoint.snapshot_cost` of the
+step time. Enough snapshots are kept to reach behind the first bad step a verdict can name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import os
+import random
+import shutil
+import statistics
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+log = logging.getLogger("keel.checkpoint")
+
+# Agreed step times the interval is measured against: the median of this many recent steps.
+_STEP_TIMES = 20
+
+
+@dataclass
+class Snapshot:
+    step: int
+    tensors: list[torch.Tensor]  # host copies of `live_tensors()` at the step, in that order
+    optimizer_keys: list[tuple[int, str]]  # (parameter index, state key) of each optimizer tensor, in order
+    optimizer_values: dict[tuple[int, str], object]  # the optimizer state's other values
+    param_groups: list[dict]  # the optimizer's settings per group (lr, betas, ...), without the parameters
+    train_state: dict
+    random_state: dict
+    scheduler_state: dict | None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard (FSDP2, tensor parallel), else the tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Snapshots:
+    """The last snapshots of this rank's state. Every rank takes them at the same steps (the interval is
+    decided from agreed values) and restores the same one, so no collective is needed."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+        host_rng: bool,
+        cost: float,
+        every_steps: int,
+        lookback_steps: int,
+        files: SnapshotFiles | None = None,
+    ):
+        self.model, self.optimizer, self.scheduler, self.host_rng = model, optimizer, scheduler, host_rng
+        self.files = files  # where the newest snapshots outlive the process; None: memory only
+        self.cost, self.fixed_every = cost, every_steps
+        self.lookback_steps = lookback_steps  # how far before a verdict's step its first bad step can be
+        self.every = every_steps or 1  # measured after the first snapshot unless fixed
+        self.kept: deque[Snapshot] = deque()
+        self.copy_s = math.nan  # how long this rank's last copy took; NaN until one finished
+        self._copying: Future | torch.cuda.Event | None = None
+        self._writing: Future | None = None  # the newest snapshot going to `files`
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="keel-snapshot")
+        self._cuda = torch.cuda.is_available()
+        self._stream = torch.cuda.Stream() if self._cuda else None
+        self._step_times: deque[float] = deque(maxlen=_STEP_TIMES)
+
+    @property
+    def enabled(self) -> bool:
+        return self.cost > 0 or self.fixed_every > 0
+
+    @property
+    def keep(self) -> int:
+        """Snapshots kept: enough that the oldest is before any first bad step a verdict can name, and two at least."""
+        return max(2, math.ceil(self.lookback_steps / self.every) + 1)
+
+    def live_tensors(self) -> tuple[list[torch.Tensor], list[tuple[int, str]], dict[tuple[int, str], object]]:
+        """(the tensors a snapshot copies: parameters, buffers, then the optimizer's state tensors; the
+        (parameter index, key) of each optimizer tensor; the optimizer state's other values)."""
+        tensors = [_local(p.detach()) for p in self.model.parameters()] + [_local(b) for b in self.model.buffers()]
+        keys, values = [], {}
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for index, param in enumerate(params):
+            for key, value in sorted(self.optimizer.state.get(param, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    keys.append((index, key))
+                    tensors.append(_local(value))
+                else:
+                    values[(index, key)] = copy.deepcopy(value)
+        return tensors, keys, values
+
+    # -- taking -----------------------------------------------------------------------------------
+
+    def due(self, step: int, step_time_s: float, copy_s: float) -> bool:
+        """Whether a snapshot is due after `step`. `step_time_s` and `copy_s` (the slowest rank's last copy,
+        NaN when none finished) are agreed values, so every rank answers the same."""
+        if not self.enabled:
+            return False
+        if math.isfinite(step_time_s):
+            self._step_times.append(step_time_s)
+        if not self.fixed_every and math.isfinite(copy_s) and self._step_times:
+            budget = self.cost * statistics.median(self._step_times)
+            every, self.every = self.every, max(1, math.ceil(copy_s / budget))
+            if self.every != every:
+                log.info(
+                    "snapshots: every %d steps (a snapshot takes %.1f ms, %.0f%% of a step)",
+                    self.every,
+                    copy_s * 1e3,
+                    100 * copy_s / budget * self.cost,
+                )
+        newest = self.kept[-1].step if self.kept else -math.inf
+        return step - newest >= self.every
+
+    def take(self, step: int, train_state: dict) -> None:
+        """Starts copying the state after `step`'s update; `before_update` waits for it. Then the same thread
+        writes it to `files`."""
+        self.before_update()
+        if self._writing is not None:  # its buffers may be the ones reused now
+            self._writing.result()
+        tensors, keys, values = self.live_tensors()
+        snapshot = self._reuse_or_allocate(tensors)
+        snapshot.step, snapshot.optimizer_keys, snapshot.optimizer_values = step, keys, values
+        snapshot.param_groups = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in self.optimizer.param_groups]
+        snapshot.train_state, snapshot.random_state = train_state, self._random_state()
+        snapshot.scheduler_state = None if self.scheduler is None else copy.deepcopy(self.scheduler.state_dict())
+        self.kept.append(snapshot)
+        started = time.perf_counter()
+        if self._cuda:
+            self._stream.wait_stream(torch.cuda.current_stream())  # the update is queued before the copy
+            with torch.cuda.stream(self._stream):
+                for dst, src in zip(snapshot.tensors, tensors):
+                    dst.copy_(src, non_blocking=True)
+            self._copying = self._stream.record_event()
+            self._copy_started = started
+        else:
+            self._copying = self._thread.submit(self._copy, snapshot.tensors, tensors, started)
+        if self.files is not None:
+            self._writing = self._thread.submit(self._write, snapshot, self._copying, started)
+
+    def _write(self, snapshot: Snapshot, copied: Future | torch.cuda.Event, started: float) -> None:
+        if not isinstance(copied, Future):
+            copied.synchronize()
+        self.files.write(snapshot)
+        self.copy_s = time.perf_counter() - started  # the snapshot's whole cost: the copy and the file
+
+    def _copy(self, destinations: list[torch.Tensor], sources: list[torch.Tensor], started: float) -> None:
+        for dst, src in zip(destinations, sources):
+            dst.copy_(src)
+        self.copy_s = time.perf_counter() - started
+
+    def _reuse_or_allocate(self, tensors: list[torch.Tensor]) -> Snapshot:
+        """The buffers of the oldest snapshot when it is no longer kept and its shapes match (allocating host
+        memory anew costs more than the copy), else new ones (pinned on a GPU host)."""
+        while len(self.kept) >= self.keep:
+            oldest = self.kept.popleft()
+            if len(self.kept) < self.keep and _same_shapes(oldest.tensors, tensors):
+                return oldest
+        buffers = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self._cuda) for t in tensors]
+        return Snapshot(0, buffers, [], {}, [], {}, {}, None)
+
+    def _random_state(self) -> dict:
+        state = {"torch": torch.get_rng_state()}
+        if self._cuda:
+            state["cuda"] = torch.cuda.get_rng_state()
+        if self.host_rng:  # NumPy's generator as a tensor, so the files load with weights_only=True
+            name, keys, position, has_gauss, gauss = np.random.get_state()
+            state["host"] = (random.getstate(), (name, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, gauss))
+        return state
+
+    def before_update(self) -> None:
+        """Waits until the snapshot in flight has copied the parameters and optimizer state."""
+        if self._copying is None:
+            return
+        if isinstance(self._copying, Future):
+            self._copying.result()
+        else:
+            self._copying.synchronize()
+            self.copy_s = time.perf_counter() - self._copy_started  # at least the copy's time: the wait ends after it
+        self._copying = None
+
+    # -- restoring --------------------------------------------------------------------------------
+
+    def newest_before(self, step: int) -> Snapshot | None:
+        """The newest snapshot of a step before `step`, or None."""
+        self.before_update()
+        return next((s for s in reversed(self.kept) if s.step < step), None)
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Puts the snapshot's parameters, optimizer state, random generators and scheduler back, and forgets
+        the snapshots after it (they hold the abandoned trajectory)."""
+        self.before_update()
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        n_model = len(snapshot.tensors) - len(snapshot.optimizer_keys)
+        live = [_local(p.detach()) for p in self.model.parameters()] + [_local(b) for b in self.model.buffers()]
+        with torch.no_grad():
+            for dst, src in zip(live, snapshot.tensors[:n_model]):
+                dst.copy_(src)
+            current = {(i, key): value for i, p in enumerate(params) for key, value in self.optimizer.state.get(p, {}).items()}
+            self.optimizer.state.clear()
+            for (index, key), saved in zip(snapshot.optimizer_keys, snapshot.tensors[n_model:]):
+                self.optimizer.state[params[index]][key] = _into(current.get((index, key)), saved, params[index])
+            for (index, key), value in snapshot.optimizer_values.items():
+                self.optimizer.state[params[index]][key] = copy.deepcopy(value)
+            for group, saved_group in zip(self.optimizer.param_groups, snapshot.param_groups):
+                group.update(copy.deepcopy(saved_group))  # a scheduler's LR lives here
+        torch.set_rng_state(snapshot.random_state["torch"])
+        if "cuda" in snapshot.random_state:
+            torch.cuda.set_rng_state(snapshot.random_state["cuda"])
+        if "host" in snapshot.random_state:
+            python_state, (name, keys, position, has_gauss, gauss) = snapshot.random_state["host"]
+            random.setstate(python_state)
+            np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
+        if snapshot.scheduler_state is not None:
+            self.scheduler.load_state_dict(copy.deepcopy(snapshot.scheduler_state))
+        self.discard_after(snapshot.step)
+
+    def discard_after(self, step: int) -> None:
+        """Forgets the snapshots after `step`, in memory and in the files: a restart must not resume the
+        trajectory a rollback abandoned."""
+        if self._writing is not None:
+            self._writing.result()
+        while self.kept and self.kept[-1].step > step:
+            self.kept.pop()
+        if self.files is not None:
+            self.files.remove(after=step)
+
+    def close(self) -> None:
+        self.before_update()
+        self._thread.shutdown()
+        if self.files is not None:
+            self.files.remove()
+
+
+def _into(existing: object, saved: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The optimizer's state tensor holding `saved`: the existing one, copied into (it keeps its device and
+    sharding), or, where the state was dropped since (a snapshot taken before the first update was restored
+    meanwhile), a new one: beside its parameter, or on the host for a scalar (Adam's step count)."""
+    if isinstance(existing, torch.Tensor) and _local(existing).shape == saved.shape:
+        _local(existing).copy_(saved)
+        return existing
+    value = saved.clone() if saved.dim() == 0 else saved.to(_local(param).device, copy=True)
+    if isinstance(param, DTensor) and saved.dim() > 0:
+        value = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False)
+    return value
+
+
+def _same_shapes(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
+
+
+class SnapshotFiles:
+    """This rank's newest snapshots as files in host memory (a tmpfs such as /dev/shm), named by step. They
+    outlive the worker, not the machine: a restart on the same nodes resumes from them."""
+
+    KEEP = 2  # a rank killed while writing one still has the one before, which its peers have too
+
+    def __init__(self, folder: Path, rank: int, identity: dict):
+        self.folder, self.rank = folder, rank
+        self.identity = identity  # the model, data, layout and world the files belong to: others are not loaded
+        self.failed = False  # a write failed (a full tmpfs): memory only from then on
+
+    def _path(self, step: int) -> Path:
+        return self.folder / f"rank{self.rank:05d}-step{step:08d}.pt"
+
+    def steps(self) -> list[int]:
+        """The steps this rank has a complete file of, oldest first."""
+        prefix = f"rank{self.rank:05d}-step"
+        found = self.folder.glob(f"{prefix}*.pt") if self.folder.is_dir() else []
+        return sorted(int(p.stem.removeprefix(prefix)) for p in found)
+
+    def write(self, snapshot: Snapshot) -> None:
+        if self.failed:
+            return
+        record = {
+            "identity": self.identity,
+            "step": snapshot.step,
+            "tensors": snapshot.tensors,
+            "optimizer_keys": snapshot.optimizer_keys,
+            "optimizer_values": list(snapshot.optimizer_values.items()),
+            "param_groups": snapshot.param_groups,
+            "train_state": snapshot.train_state,
+            "random_state": snapshot.random_state,
+            "scheduler_state": snapshot.scheduler_state,
+        }
+        final = self._path(snapshot.step)
+        partial = final.with_name(f".{final.name}.partial")  # renamed when complete: a file named by step is whole
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            torch.save(record, partial)
+            os.rename(partial, final)
+        except OSError as e:
+            self.failed = True
+            partial.unlink(missing_ok=True)
+            free = shutil.disk_usage(self.folder).free / 2**20 if self.folder.exists() else 0.0
+            log.warning("snapshots: cannot write %s: %s (%.1f MiB free); a restart goes back to the newest checkpoint", final, e, free)
+            return
+        for old in self.steps()[: -self.KEEP]:
+            self._path(old).unlink(missing_ok=True)
+
+    def read(self, step: int) -> Snapshot | None:
+        """The snapshot of `step`, or None when it cannot be read or belongs to another model, data or layout."""
+        try:
+            record = torch.load(self._path(step), weights_only=True)
+        except Exception as e:  # noqa: BLE001 (any unreadable file means: go back to the checkpoint)
+            log.warning("snapshots: cannot read %s: %s", self._path(step), e)
+            return None
+        if record["identity"] != self.identity:
+            return None
+        return Snapshot(
+            record["step"], record["tensors"], [tuple(k) for k in record["optimizer_keys"]],
+            {tuple(k): v for k, v in record["optimizer_values"]}, record["param_groups"], record["train_state"],
+            record["random_state"], record["scheduler_state"],
+        )  # fmt: skip
+
+    def remove(self, after: int | None = None) -> None:
+        """Removes this rank's files (after `after` only, when given), and the folder once it is empty."""
+        for step in self.steps():
+            if after is None or step > after:
+                self._path(step).unlink(missing_ok=True)
+        if after is None:
+            with contextlib.suppress(OSError):  # other ranks' files are still there
+                self.folder.rmdir()
+
+
+def agree_on_files(files: SnapshotFiles | None, newest_checkpoint: int, world: int, device: torch.device) -> Snapshot | None:
+    """Collective, at a restart: the snapshot every rank has a file of, of the newest such step, when it is
+    newer than the newest checkpoint (`newest_checkpoint`: rank 0's, -1 when none) and every rank can read
+    its own; else None, on every rank."""
+    mine = (files.steps() if files is not None else [], newest_checkpoint)
+    everyone = [mine]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+    common = set.intersection(*(set(steps) for steps, _ in everyone))
+    step = max(common, default=-1)
+    if step <= everyone[0][1]:
+        return None
+    snapshot = files.read(step)
+    readable = torch.tensor([int(snapshot is not None)], device=device)
+    if world > 1:
+        dist.all_reduce(readable, op=dist.ReduceOp.MIN)
+    return snapshot if bool(readable) else None
