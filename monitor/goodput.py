@@ -3,9 +3,10 @@
 Productive time is the step time of the effective trajectory (the rows `read_steps(effective=True)`
 keeps) minus the steps the NaN guard skipped. The lost time is kept by cause: steps recomputed after a
 rollback or restart, skipped steps, time down between a failure and the restart, time between a
-preemption and the next start (a scheduler's queue), hangs, the slower
-steps of a micro-batch halved after an out-of-memory, checkpoint saves and loads, and "other" (start-up,
-idle, whatever the records do not explain).
+preemption and the next start (a scheduler's queue), hangs, the slower steps of a micro-batch halved after
+an out-of-memory, checkpoint saves and loads, each start of the workers up to their first step (imports,
+rendezvous, the model's build, the data; its checkpoint load counted as a load), evaluations, and "other"
+(the last save, whatever the records do not explain).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pandas as pd
 from keel.monitor.event_kinds import EventKind
 from keel.monitor.store import abandoned_mask, read_events, read_steps
 
-CAUSES = ("recomputed", "skipped", "restart", "node_loss", "preempted", "hang", "oom", "checkpoint", "other")
+CAUSES = ("recomputed", "skipped", "restart", "node_loss", "preempted", "hang", "oom", "checkpoint", "startup", "evaluation", "other")
 
 
 @dataclass
@@ -150,11 +151,33 @@ def compute_goodput(steps: pd.DataFrame, events: pd.DataFrame, end_time: float |
         # is not added here.
         "checkpoint": _duration_sum(events, EventKind.CHECKPOINT_SAVED, "blocking_s")
         + _duration_sum(events, EventKind.CHECKPOINT_LOADED, "load_s"),
+        "startup": _startup_s(steps, events),
+        "evaluation": float(_column(steps, "eval_time_s", 0.0).sum()),
     }
     # What no cause accounts for (start-up, logging, the last save). Clipped at 0 against rounding: the
     # spans above are disjoint, so productive + lost = wall.
     lost["other"] = max(wall - productive - sum(lost.values()), 0.0)
     return Goodput(wall_s=wall, productive_s=productive, lost_s={c: lost[c] for c in CAUSES})
+
+
+def _startup_s(steps: pd.DataFrame, events: pd.DataFrame) -> float:
+    """From each start of the workers (`run_started`'s process_start) to the start of the first step they ran,
+    less the checkpoint loads recorded meanwhile (counted as checkpoint): imports, the process group's
+    rendezvous, the model's build, the data. A start that ran no step counts nothing here."""
+    starts = sorted(_event_values(events, EventKind.RUN_STARTED, "process_start"))
+    if not starts or not {"time", "step_time_s"} <= set(steps) or steps.empty:
+        return 0.0
+    step_starts = (_column(steps, "time", math.nan) - _column(steps, "step_time_s", 0.0)).dropna().sort_values().to_numpy()
+    loads = events[events["kind"] == EventKind.CHECKPOINT_LOADED] if "kind" in events else events.iloc[0:0]
+    total = 0.0
+    for start, next_start in zip(starts, [*starts[1:], math.inf]):
+        first = step_starts[(step_starts >= start) & (step_starts < next_start)]
+        if not len(first):
+            continue
+        inside = loads[(_column(loads, "time", math.nan) >= start) & (_column(loads, "time", math.nan) <= first[0])]
+        load = _duration_sum(inside, EventKind.CHECKPOINT_LOADED, "load_s")
+        total += max(float(first[0]) - start - load, 0.0)
+    return total
 
 
 def _halved_microbatch_excess(steps: pd.DataFrame, step_time: pd.Series, counted: pd.Series, events: pd.DataFrame) -> float:

@@ -78,4 +78,6 @@ STEP_METRICS: tuple[StepMetric, ...] = (
                prometheus="keel_validation_loss", wandb=True, wandb_name="val/loss", table="{:.4g}", chart=Chart("validation loss")),
     StepMetric("validation_perplexity", float, "", "exp(validation loss) of the last evaluated step.", prometheus="keel_validation_perplexity",
                wandb=True, wandb_name="val/perplexity"),
+    # Outside step_time_s: goodput counts it as evaluation, not training.
+    StepMetric("eval_time_s", float, "seconds", "Seconds the evaluation after the step's update took (0: none)."),
 )  # fmt: skip

@@ -1,6 +1,6 @@
 """What the end-of-run summary and drills rely on from keel.monitor.goodput: productive time over wall
 time, and the lost time split by cause (recomputed, skipped, restart, node loss, preemption, hang, checkpoint,
-other)."""
+start-up, other)."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def test_rollback_counts_abandoned_steps_as_recomputed_and_the_load_once():
     steps, events = rollback_run()
     g = compute_goodput(steps_frame(steps), events_frame(events))
     # 20 effective steps, steps 11-15 of attempt 0 done twice, 0.5 s save + 2 s load (the rollback's own
-    # load_s is the same load, not counted again), and the start-up as other.
-    assert g == Goodput(wall_s=28.5, productive_s=20.0, lost_s=lost(recomputed=5.0, checkpoint=2.5, other=1.0))
+    # load_s is the same load, not counted again), and the start-up.
+    assert g == Goodput(wall_s=28.5, productive_s=20.0, lost_s=lost(recomputed=5.0, checkpoint=2.5, startup=1.0))
     assert g.goodput == 20.0 / 28.5
 
 
@@ -74,8 +74,9 @@ def test_restart_counts_down_time_and_takes_the_first_process_start():
         (12, "checkpoint_loaded", {"load_s": 0.5}),
     ]
     g = compute_goodput(steps_frame(steps), events_frame(events))
-    assert g == Goodput(wall_s=16.0, productive_s=8.0, lost_s=lost(recomputed=2.0, restart=3.0, checkpoint=1.0, other=2.0))
-    assert g.summary() == "goodput 50.0% of 16.0 s wall: lost restart 3.0 s, recomputed 2.0 s, other 2.0 s, checkpoint 1.0 s"
+    # Each start of the workers up to its first step is start-up: 1 s, then 1.5 s less the 0.5 s load inside it.
+    assert g == Goodput(wall_s=16.0, productive_s=8.0, lost_s=lost(recomputed=2.0, restart=3.0, checkpoint=1.0, startup=2.0))
+    assert g.summary() == "goodput 50.0% of 16.0 s wall: lost restart 3.0 s, recomputed 2.0 s, startup 2.0 s, checkpoint 1.0 s"
     assert json.loads(json.dumps(g.to_dict())) == {
         "wall_s": 16.0,
         "productive_s": 8.0,
@@ -89,7 +90,9 @@ def test_restart_counts_down_time_and_takes_the_first_process_start():
             "hang": 0.0,
             "oom": 0.0,
             "checkpoint": 1.0,
-            "other": 2.0,
+            "startup": 2.0,
+            "evaluation": 0.0,
+            "other": 0.0,
         },
     }
 
@@ -103,7 +106,7 @@ def test_skipped_steps_are_lost_unless_a_later_attempt_abandoned_them():
         (4, 1, 3, 0.5, 0),
     ]
     g = compute_goodput(steps_frame(steps), events_frame([(0, "run_started", {"process_start": T0})]))
-    assert g == Goodput(wall_s=3.0, productive_s=1.5, lost_s=lost(recomputed=0.5, skipped=0.5, other=0.5))
+    assert g == Goodput(wall_s=3.0, productive_s=1.5, lost_s=lost(recomputed=0.5, skipped=0.5, startup=0.5))
 
 
 def test_a_stall_inside_a_step_is_the_hang_not_productive_time():
@@ -191,7 +194,7 @@ def test_round_trip_through_the_run_store(tmp_path):
         for t, kind, data in events:
             store.write_event(kind, kind, time=T0 + t, data=data)
     g = goodput_of_run(tmp_path)
-    assert g == Goodput(wall_s=28.5, productive_s=20.0, lost_s=lost(recomputed=5.0, checkpoint=2.5, other=1.0))
+    assert g == Goodput(wall_s=28.5, productive_s=20.0, lost_s=lost(recomputed=5.0, checkpoint=2.5, startup=1.0))
     assert g.productive_s == read_steps(tmp_path, effective=True)["step_time_s"].sum()
 
 
@@ -221,4 +224,4 @@ def test_the_time_from_a_preemption_to_the_next_start_is_lost_to_preemption():
         (41, "run_finished", {}),
     ]
     g = compute_goodput(steps_frame(steps), events_frame(events))
-    assert g == Goodput(wall_s=42.0, productive_s=20.0, lost_s=lost(preempted=20.0, other=2.0))
+    assert g == Goodput(wall_s=42.0, productive_s=20.0, lost_s=lost(preempted=20.0, startup=2.0))

@@ -206,6 +206,7 @@ class StepReporter:
             "skipped": int(numbers.skipped),
             "validation_loss": numbers.val_loss,
             "validation_perplexity": None if numbers.val_loss is None else perplexity(numbers.val_loss),
+            "eval_time_s": numbers.eval_s,
         }
         if numbers.custom:
             row["custom"] = numbers.custom
