@@ -8,7 +8,8 @@
   kill, the process's death, the out-of-memory handler), restart (from there to the new workers'
   start: the watchdog's grace for the other ranks' dumps, torchrun stopping and starting the group,
   imports) and resume (from the new workers' start to their first step: process group, model build,
-  checkpoint load), each next to its target.
+  checkpoint load), each next to its target; and the steps recomputed: those done since the state the
+  restart restored (an in-memory snapshot, or a checkpoint: `--checkpoint.snapshot_cost=0` for the latter).
 
 Targets. Detection: a hang within the watchdog's step allowance, max(floor_s, step_factor x the median
 step), plus one poll; a deadlock (the GIL held) the same, since the waiting ranks' watchdogs see it too
@@ -57,7 +58,7 @@ def verdict(value: float, target: float) -> str:
     return f"{value:6.2f} s (target < {target:5.2f} s: {'holds' if value < target else 'MISSED'})"
 
 
-def rollback(tmp: Path, preset: str) -> None:
+def rollback(tmp: Path, preset: str, extra: list[str]) -> None:
     run_dir = tmp / "rollback"
     keel_train(
         run_dir,
@@ -69,6 +70,7 @@ def rollback(tmp: Path, preset: str) -> None:
         "--checkpoint.interval_steps=20",
         "--spike.warmup_steps=30",
         "--fault=spike@step=90,steps=5",
+        *extra,
     )
     steps, events = read_steps(run_dir), read_events(run_dir)
     rb = events[events.kind == EventKind.ROLLBACK].iloc[0]
@@ -82,6 +84,7 @@ def rollback(tmp: Path, preset: str) -> None:
     )
     steps_taken = (took - load) / step_s
     print(f"  rollback - load = {took - load:.3f} s = {steps_taken:.2f} step times; target < 2: {'holds' if steps_taken < 2 else 'MISSED'}")
+    print(f"  recomputed {rb.data['from_step'] - rb.data['to_step']} steps (to {rb.data['checkpoint']})")
 
 
 def fault(tmp: Path, preset: str, kind: str, watchdog: WatchdogConfig, extra: list[str]) -> None:
@@ -106,6 +109,9 @@ def fault(tmp: Path, preset: str, kind: str, watchdog: WatchdogConfig, extra: li
     print(f"  restart {verdict(restart_s, grace + RESTART_TARGET_S)}")
     print(f"  resume  {verdict(resume_s, RESUME_TARGET_S + load_s)} (checkpoint load {load_s:.2f} s)")
     print(f"  total   {started.data['process_start'] - fired + resume_s:6.2f} s from the fault to the next step")
+    if len(loaded):
+        recomputed = FAULT_STEP - 1 - int(loaded.iloc[0].step)
+        print(f"  recomputed {recomputed} steps ({loaded.iloc[0].message})")
 
 
 def _detection(run_dir: Path, events, kind: str, fired: float, hang_target: float) -> tuple[float, float]:
@@ -129,7 +135,7 @@ def main() -> None:
     watchdog = load_config(None, [a for a in extra if a.lstrip("-").startswith("watchdog.")]).watchdog
     with tempfile.TemporaryDirectory() as tmp:
         if "rollback" in chosen:
-            rollback(Path(tmp), args.preset)
+            rollback(Path(tmp), args.preset, extra)
         for kind in KINDS:
             if kind in chosen:
                 fault(Path(tmp), args.preset, kind, watchdog, extra)

@@ -23,7 +23,6 @@ step time. Enough snapshots are kept to reach behind the first bad step a verdic
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
@@ -94,6 +93,7 @@ class Snapshots:
         self._cuda = torch.cuda.is_available()
         self._stream = torch.cuda.Stream() if self._cuda else None
         self._step_times: deque[float] = deque(maxlen=_STEP_TIMES)
+        self._logged = 0  # the interval last logged
 
     @property
     def enabled(self) -> bool:
@@ -130,14 +130,11 @@ class Snapshots:
             self._step_times.append(step_time_s)
         if not self.fixed_every and math.isfinite(copy_s) and self._step_times:
             budget = self.cost * statistics.median(self._step_times)
-            every, self.every = self.every, max(1, math.ceil(copy_s / budget))
-            if self.every != every:
-                log.info(
-                    "snapshots: every %d steps (a snapshot takes %.1f ms, %.0f%% of a step)",
-                    self.every,
-                    copy_s * 1e3,
-                    100 * copy_s / budget * self.cost,
-                )
+            self.every = max(1, math.ceil(copy_s / budget))
+            if not self._logged or not self._logged / 2 <= self.every <= 2 * self._logged:  # the first, then a change of 2x
+                self._logged = self.every
+                share = 100 * self.cost * copy_s / budget
+                log.info("snapshots: every %d steps (a snapshot takes %.1f ms, %.1f%% of a step)", self.every, copy_s * 1e3, share)
         newest = self.kept[-1].step if self.kept else -math.inf
         return step - newest >= self.every
 
@@ -318,7 +315,7 @@ class SnapshotFiles:
             self.folder.mkdir(parents=True, exist_ok=True)
             torch.save(record, partial)
             os.rename(partial, final)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 (a full tmpfs: OSError, or RuntimeError from torch's writer; a state torch cannot save)
             self.failed = True
             partial.unlink(missing_ok=True)
             free = shutil.disk_usage(self.folder).free / 2**20 if self.folder.exists() else 0.0
@@ -343,13 +340,12 @@ class SnapshotFiles:
         )  # fmt: skip
 
     def remove(self, after: int | None = None) -> None:
-        """Removes this rank's files (after `after` only, when given), and the folder once it is empty."""
+        """Removes this rank's files (after `after` only, when given). The folder stays: another rank may be
+        about to write into it (ranks of several nodes share one /dev/shm when the nodes share a machine);
+        `keel train` removes it when it exits."""
         for step in self.steps():
             if after is None or step > after:
                 self._path(step).unlink(missing_ok=True)
-        if after is None:
-            with contextlib.suppress(OSError):  # other ranks' files are still there
-                self.folder.rmdir()
 
 
 def agree_on_files(files: SnapshotFiles | None, newest_checkpoint: int, world: int, device: torch.device) -> Snapshot | None:
