@@ -159,7 +159,9 @@ class Checkpointer:
         self._finalized.set()
         self._results: list[SaveResult] = []
         self._lock = threading.Lock()
-        self.saved_step, self.saved_time = 0, time.time()  # the state on disk (saved, or just loaded), and when
+        # The state on disk (saved, or just loaded), and when: an agreed time, the same on every rank (a save is a
+        # collective), so None until the first step's agreed time after a start or a load.
+        self.saved_step, self.saved_time = 0, None
         self.failed_in_row = 0  # saves that failed since the last one that succeeded (every rank counts those it saw)
         self.last_error = ""  # the cause of the last failed save, in one line (rank 0)
         self.corrupt: list[str] = []
@@ -184,6 +186,8 @@ class Checkpointer:
         on every rank (an agreed time). When saving, calls `before_save()`, then `train_state()` for the
         manifest. Returns whether a save started."""
         by_steps = self.cfg.interval_steps > 0 and step - self.saved_step >= self.cfg.interval_steps
+        if self.saved_time is None:
+            self.saved_time = now
         by_time = self.cfg.interval_minutes > 0 and now - self.saved_time >= 60 * self.cfg.interval_minutes
         # The interval does not apply to a step already on disk (the checkpoint just restored).
         if not ((step > self.saved_step and (by_steps or by_time)) or (last_step and self.enabled)):
@@ -369,11 +373,13 @@ class Checkpointer:
             self._remove_partial_saves()
             found = list_checkpoints(self.dir.parent)
             newest = found[-1][0] if found else -1
-        snapshot = agree_on_files(self.files, newest, self.world, device) if self.snapshots.enabled else None
+        snapshot = None
+        if self.snapshots.enabled:
+            snapshot, newest = agree_on_files(self.files, newest, self.world, device)
         if snapshot is None:
             return self.load_latest(resuming=True)
         self.snapshots.restore(snapshot)
-        self.saved_step, self.saved_time = max(newest, 0), time.time()
+        self.saved_step, self.saved_time = max(newest, 0), None  # rank 0's newest, agreed: a save is a collective
         path = self.dir / checkpoint_name(snapshot.step)
         return Restored(snapshot.step, path, snapshot.train_state, time.perf_counter() - started, [], in_memory=True)
 
@@ -412,7 +418,7 @@ class Checkpointer:
             np.random.set_state(numpy_state)
         if self.scheduler is not None:
             self.scheduler.load_state_dict(pickle.loads(state["lr_scheduler"]))
-        self.saved_step, self.saved_time = step, time.time()
+        self.saved_step, self.saved_time = step, None
         if self.world > 1:
             dist.barrier()
         return Restored(step, path, manifest["train_state"], time.perf_counter() - started, corrupt, layout_change)

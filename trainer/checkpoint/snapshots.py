@@ -348,21 +348,21 @@ class SnapshotFiles:
                 self._path(step).unlink(missing_ok=True)
 
 
-def agree_on_files(files: SnapshotFiles | None, newest_checkpoint: int, world: int, device: torch.device) -> Snapshot | None:
-    """Collective, at a restart: the snapshot every rank has a file of, of the newest such step, when it is
-    newer than the newest checkpoint (`newest_checkpoint`: rank 0's, -1 when none) and every rank can read
-    its own; else None, on every rank."""
+def agree_on_files(files: SnapshotFiles | None, newest_checkpoint: int, world: int, device: torch.device) -> tuple[Snapshot | None, int]:
+    """Collective, at a restart: (the snapshot every rank has a file of, of the newest such step, when it is
+    newer than the newest checkpoint and every rank can read its own, else None; the newest checkpoint's
+    step), the same on every rank. `newest_checkpoint`: rank 0's view (-1: none), the one that counts."""
     mine = (files.steps() if files is not None else [], newest_checkpoint)
     everyone = [mine]
     if world > 1:
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
     common = set.intersection(*(set(steps) for steps, _ in everyone))
-    step = max(common, default=-1)
-    if step <= everyone[0][1]:
-        return None
+    step, newest_checkpoint = max(common, default=-1), everyone[0][1]
+    if step <= newest_checkpoint:
+        return None, newest_checkpoint
     snapshot = files.read(step)
     readable = torch.tensor([int(snapshot is not None)], device=device)
     if world > 1:
         dist.all_reduce(readable, op=dist.ReduceOp.MIN)
-    return snapshot if bool(readable) else None
+    return (snapshot if bool(readable) else None), newest_checkpoint
