@@ -6,9 +6,10 @@ write after that (quietly: the line said so)."""
 from __future__ import annotations
 
 import logging
-import shutil
 import sys
 from pathlib import Path
+
+from keel.monitor.free_space import free_space
 
 
 class LogFile(logging.FileHandler):
@@ -21,10 +22,8 @@ class LogFile(logging.FileHandler):
             return
         self._reported = True
         error = sys.exc_info()[1]
-        folder = next(p for p in Path(self.baseFilename).parents if p.exists())
-        free = shutil.disk_usage(folder).free / 2**20
         print(
-            f"keel: cannot write {self.baseFilename}: {error} ({free:.1f} MiB free on {folder}); its records are lost",
+            f"keel: cannot write {self.baseFilename}: {error} ({free_space(Path(self.baseFilename).parent)}); its records are lost",
             file=sys.stderr,
             flush=True,
         )

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import shutil
 import sqlite3
 import threading
 import time
@@ -24,6 +23,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from keel.monitor.event_kinds import EventKind
+from keel.monitor.free_space import free_space
 from keel.monitor.store import RunStore
 
 log = logging.getLogger("keel.store")
@@ -118,8 +118,7 @@ class BackgroundStore:
         kind = str(error)
         if kind not in self._failed_kinds:
             self._failed_kinds.add(kind)
-            free = shutil.disk_usage(self.path.parent).free / 2**20
-            log.error("run store %s: %s (%.1f MiB free there); the run's record misses what it could not write", self.path, error, free)
+            log.error("run store %s: %s (%s); the run's record misses what it could not write", self.path, error, free_space(self.path))
 
     def _record_stall(self) -> None:
         with self._stall_lock:

@@ -44,10 +44,11 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from keel.monitor.checkpoints import verify
+from keel.monitor.free_space import free_bytes, free_space
 from keel.monitor.hashing import sha256_file
 from keel.monitor.run_dir import CHECKPOINT_DIR, MANIFEST, checkpoint_name, list_checkpoints
 from keel.trainer.checkpoint.manifest import config_record, vet_resume
-from keel.trainer.checkpoint.snapshots import SnapshotFiles, Snapshots, agree_on_files
+from keel.trainer.checkpoint.snapshots import Snapshot, SnapshotFiles, Snapshots, agree_on_files
 from keel.trainer.config import CheckpointConfig, JobConfig
 
 log = logging.getLogger("keel.checkpoint")
@@ -378,10 +379,8 @@ class Checkpointer:
             snapshot, newest = agree_on_files(self.files, newest, self.world, device)
         if snapshot is None:
             return self.load_latest(resuming=True)
-        self.snapshots.restore(snapshot)
         self.saved_step, self.saved_time = max(newest, 0), None  # rank 0's newest, agreed: a save is a collective
-        path = self.dir / checkpoint_name(snapshot.step)
-        return Restored(snapshot.step, path, snapshot.train_state, time.perf_counter() - started, [], in_memory=True)
+        return self._restore_snapshot(snapshot, started)
 
     def load_latest(self, before_step: int | None = None, resuming: bool = False) -> Restored | None:
         """Loads the newest checkpoint that verifies (and, with `before_step`, was saved before that step).
@@ -431,10 +430,13 @@ class Checkpointer:
         snapshot = self.snapshots.newest_before(before_step)
         if snapshot is None:
             return self.load_latest(before_step=before_step)
+        self.saved_step = min(self.saved_step, snapshot.step)  # the saves after it are discarded (discard_after)
+        return self._restore_snapshot(snapshot, started)
+
+    def _restore_snapshot(self, snapshot: Snapshot, started: float) -> Restored:
         self.snapshots.restore(snapshot)
         self.corrupt = []
-        self.saved_step = min(self.saved_step, snapshot.step)  # the saves after it are discarded (discard_after)
-        path = self.dir / checkpoint_name(snapshot.step)
+        path = self.dir / checkpoint_name(snapshot.step)  # where a checkpoint of that step would be; not read
         return Restored(snapshot.step, path, snapshot.train_state, time.perf_counter() - started, [], in_memory=True)
 
     def _choose(self, before_step: int | None) -> list:
@@ -472,11 +474,10 @@ def save_error(error: BaseException, folder: Path) -> str:
         rank, (error, _) = min(error.failures.items())
         where = f" on rank {rank}"
     text = (str(error).strip().splitlines() or [""])[0]
-    existing = next(p for p in (folder, *folder.parents) if p.exists())
-    free = shutil.disk_usage(existing).free
+    free, existing = free_bytes(folder)
     full = (isinstance(error, OSError) and error.errno == errno.ENOSPC) or free < _FULL_BYTES
     cause = "disk full: " if full else ""
-    return f"{cause}{type(error).__name__}{where}: {text} ({free / 2**20:.1f} MiB free on {existing})"
+    return f"{cause}{type(error).__name__}{where}: {text} ({free_space(existing)})"
 
 
 def missing_shards(folder: Path) -> list[str]:

@@ -28,7 +28,6 @@ import logging
 import math
 import os
 import random
-import shutil
 import statistics
 import time
 from collections import deque
@@ -41,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from keel.monitor.free_space import free_space
 
 log = logging.getLogger("keel.checkpoint")
 
@@ -318,8 +319,9 @@ class SnapshotFiles:
         except Exception as e:  # noqa: BLE001 (a full tmpfs: OSError, or RuntimeError from torch's writer; a state torch cannot save)
             self.failed = True
             partial.unlink(missing_ok=True)
-            free = shutil.disk_usage(self.folder).free / 2**20 if self.folder.exists() else 0.0
-            log.warning("snapshots: cannot write %s: %s (%.1f MiB free); a restart goes back to the newest checkpoint", final, e, free)
+            log.warning(
+                "snapshots: cannot write %s: %s (%s); a restart goes back to the newest checkpoint", final, e, free_space(self.folder)
+            )
             return
         for old in self.steps()[: -self.KEEP]:
             self._path(old).unlink(missing_ok=True)

@@ -172,9 +172,9 @@ class KeelRun:
 
     def _resume(self, last_step: float | None, vanished: bool) -> None:
         """Loads the newest snapshot files every rank has, or else the newest good checkpoint, and the data
-        position and guard state saved with it; after a
-        restart, also reports the stalls and the restart itself with its cause (rank 0), and after the
-        processes vanished, the node loss. A checkpoint of another model or data ends the run instead."""
+        position and guard state saved with it; after a restart, also reports the stalls and the restart
+        itself with its cause (rank 0), and after the processes vanished, the node loss. A checkpoint of
+        another model or data ends the run instead."""
         self.watchdog.beat("checkpoint_load", 0, self.attempt)
         try:
             restored = self.checkpointer.resume_latest(self.device)
