@@ -6,6 +6,7 @@ paying for a torch import; keel.trainer.model builds the modules from these shap
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -102,6 +103,7 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     return 6 * (total - embedding + head) + 12 * args.n_layers * args.dim * seq_len
 
 
+@functools.cache  # the planner asks for every stage of every layout it scores: O(stages) each time
 def stage_layers(n_layers: int, n_stages: int, stage: int) -> range:
     """The layers of pipeline stage `stage`: as even a split as there is. Where it cannot be even, the stages at
     the ends, which also hold the embedding (first) and the head and the loss (last), take one layer fewer,

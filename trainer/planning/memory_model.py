@@ -21,6 +21,7 @@ are fp32.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from keel.trainer.config import JobConfig
@@ -58,19 +59,22 @@ def block_shapes(args: ModelArgs, tp: int) -> list[tuple[int, int]]:
     return [(d // tp, d), (kv // tp, d), (kv // tp, d), (d, d // tp), (ffn // tp, d), (ffn // tp, d), (d, ffn // tp), (d, 1), (d, 1)]
 
 
-def stage_shapes(args: ModelArgs, tp: int, n_stages: int, stage: int) -> tuple[int, list[tuple[int, int]]]:
-    """(layers, the (rows, columns) of each parameter a tp rank holds) of pipeline stage `stage`."""
+@functools.cache  # ModelArgs is frozen: the planner asks again for the same stages of every layout it scores
+def stage_shapes(args: ModelArgs, tp: int, n_stages: int, stage: int) -> tuple[int, tuple[tuple[int, int, int], ...]]:
+    """(layers, (rows, columns, count) of each parameter shape a tp rank holds) of pipeline stage `stage`.
+    Counted, not listed: an 80-layer stage is nine block shapes, not 720 entries (the planner sums them
+    for every layout it scores)."""
     d, vocab = args.dim, padded_vocab_size(args.vocab_size, tp)
     layers = len(stage_layers(args.n_layers, n_stages, stage))
-    shapes = block_shapes(args, tp) * layers
+    shapes = [(rows, cols, layers) for rows, cols in block_shapes(args, tp)] if layers else []
     first, last = stage == 0, stage == n_stages - 1
     if first:
-        shapes.append((vocab // tp, d))
+        shapes.append((vocab // tp, d, 1))
     if last:
-        shapes.append((d, 1))  # the final norm
+        shapes.append((d, 1, 1))  # the final norm
         if not (args.tie_embeddings and first):  # a tied head is the embedding's matrix, counted once
-            shapes.append((vocab // tp, d))
-    return layers, shapes
+            shapes.append((vocab // tp, d, 1))
+    return layers, tuple(shapes)
 
 
 def rank_model_states(
@@ -80,12 +84,13 @@ def rank_model_states(
     the same amount). `dp` is every rank a tensor is sharded or replicated over: dp·cp under context
     parallelism, whose ranks hold the same weights. zero1 shards the optimizer state alone."""
     n_stages = pp * virtual_stages
+    sharded = dp > 1 and dp_mode != "replicate"
     layers, whole, shard = 0, 0, 0
     for stage in (pp_rank + k * pp for k in range(virtual_stages)):
         stage_layer_count, shapes = stage_shapes(args, tp, n_stages, stage)
         layers += stage_layer_count
-        whole += sum(rows * cols for rows, cols in shapes)
-        shard += sum((_chunk(rows, dp, dp_rank) if dp > 1 and dp_mode != "replicate" else rows) * cols for rows, cols in shapes)
+        whole += sum(rows * cols * count for rows, cols, count in shapes)
+        shard += sum((_chunk(rows, dp, dp_rank) if sharded else rows) * cols * count for rows, cols, count in shapes)
     params = whole if dp_mode == "zero1" else shard
     return ModelStates(layers, params, WEIGHT_BYTES * params, GRAD_BYTES * params, ADAMW_BYTES * shard)
 
