@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 from keel.monitor.store import read_events, read_steps
 
@@ -17,6 +20,42 @@ REPO = Path(__file__).resolve().parents[1]
 # W&B is on by default and adds about a second to every run, a fifth of a tiny one (its import and offline
 # start-up on rank 0), so the runs these helpers start leave it off unless the test sets a monitor.wandb field.
 NO_WANDB = "--monitor.wandb=false"
+
+
+# The suite runs on two pytest-xdist workers (-n 2 in pyproject.toml): a tiny training run leaves a third of
+# two cores idle (launcher, agent and workers start one after another), and a second test fills it. Each test
+# module runs whole on one worker (its module fixtures are made once), and the modules that read the costly
+# drill below run on the same worker (a session fixture is made once per worker that needs it; cheaper ones,
+# a tiny reference run, are made on each). xdist's own loadgroup marks do not take under pytest 9 (they
+# rename `_nodeid`, which pytest 9 no longer reads), so the grouping is a scheduler of Keel's.
+SHARED_ON_ONE_WORKER = ("collective_drill", "drill_runs")  # a pp2 dp2 tp2 drill (141 s) and its runs
+READ_THE_DRILL = ("tests/test_dashboard.py", "tests/test_dashboard_browser.py", "tests/test_dashboard_events.py", "tests/test_drill.py")
+
+
+class ModulesOnOneWorker(LoadScopeScheduling):
+    """xdist's module-at-a-time scheduling, with the modules that read the drill as one module."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        module = nodeid.split("::", 1)[0]
+        return "the collective drill" if module in READ_THE_DRILL else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    return ModulesOnOneWorker(config, log)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test marked `exclusive` runs (its fixtures too) while no other test does: it holds the suite's lock
+    alone, every other test holds it shared. Only under xdist, whose workers share a run id."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    with open(Path(tempfile.gettempdir()) / f"keel-tests-{run}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if item.get_closest_marker("exclusive") else fcntl.LOCK_SH)
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

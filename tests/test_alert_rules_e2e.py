@@ -58,7 +58,7 @@ from keel.monitor.run_dir import STORE_FILE
 from keel.monitor.store import read_events, read_steps, step_bounds
 
 # Multi-process training runs, real servers or the browser: the full suite only (`pytest -m "not slow"` leaves them out).
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive]  # its thresholds sit between a clean run's noise and the faults
 
 NAN_STEP, SPIKE_STEP, HANG_STEP, STEPS = 40, 160, 780, 795
 # The replay sees a fault's alert a scrape (1 s) and a rule evaluation (a replayed minute: 1.25 s) after the

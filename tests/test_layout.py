@@ -122,3 +122,16 @@ def test_regular_install_imports_and_runs_from_anywhere(installed_wheel, tmp_pat
     assert command.returncode == 2 and "training.global_batch_size=8 does not divide" in command.stderr, command.stderr
     rules = "from importlib import resources; print((resources.files('keel.monitor') / 'alerting' / 'keel-rules.yml').is_file())"
     assert subprocess.run([sys.executable, "-c", rules], cwd=cwd, env=env, capture_output=True, text=True).stdout.strip() == "True"
+
+
+def test_the_modules_that_read_the_shared_drill_run_on_one_worker():
+    """conftest.READ_THE_DRILL lists every test module whose tests or fixtures take the costly drill fixtures,
+    so that the xdist scheduler keeps them on one worker and the drill runs once."""
+    from conftest import READ_THE_DRILL, SHARED_ON_ONE_WORKER
+
+    readers = set()
+    for path in sorted((REPO / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef) and {a.arg for a in node.args.args} & set(SHARED_ON_ONE_WORKER):
+                readers.add(f"tests/{path.name}")
+    assert readers == set(READ_THE_DRILL)
