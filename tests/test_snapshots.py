@@ -5,14 +5,16 @@ first bad step. (A rollback to a snapshot in a real run: tests/test_stability.py
 
 from __future__ import annotations
 
+import math
 import random
+import time
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from keel.trainer.checkpoint.snapshots import Snapshots
+from keel.trainer.checkpoint.snapshots import SnapshotFiles, Snapshots
 
 
 def setup(cost: float = 0.01, every: int = 0, lookback: int = 6):
@@ -95,6 +97,35 @@ def test_the_interval_keeps_the_copies_under_their_share_of_the_step(copy_s, ste
     assert snapshots.every == every and copy_s / snapshots.every <= 0.01 * step_s
     # Kept: enough to reach 6 steps (the lookback) behind the newest, two at least.
     assert snapshots.keep == max(2, -(-6 // every) + 1)
+
+
+def test_snapshot_files_give_back_each_step_bit_for_bit_and_a_restart_never_overwrites_what_it_restored(tmp_path):
+    model, optimizer, scheduler, snapshots = setup(every=1)
+    snapshots.files = SnapshotFiles(tmp_path, 0, {"model": "mlp"})
+    assert math.isnan(snapshots.last_cost_s())  # none taken yet
+    for step in range(1, 6):
+        train_step(model, optimizer, scheduler, snapshots)
+        took = time.perf_counter()
+        snapshots.take(step, {"step": step})
+        took = time.perf_counter() - took
+        assert 0 < snapshots.last_cost_s() <= took  # on a CPU: the step's own time in take, copy and file
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["rank00000-slot0.bin", "rank00000-slot1.bin", "rank00000-step00000004.pt", "rank00000-step00000005.pt"]
+    for step in (4, 5):
+        kept, read = next(s for s in snapshots.kept if s.step == step), snapshots.files.read(step)
+        assert read.train_state == {"step": step} and read.optimizer_keys == kept.optimizer_keys
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(read.tensors, kept.tensors))
+    # A restarted process restores step 5 and snapshots it again at once: step 5's record moves to the other
+    # slot, never rewritten in place; then the run goes on.
+    restarted = SnapshotFiles(tmp_path, 0, {"model": "mlp"})
+    restored = restarted.read(5)
+    restarted.write(restored)
+    assert restarted.steps() == [5] and torch.equal(restarted.read(5).tensors[0], restored.tensors[0])
+    for step in (6, 7):
+        restored.step = step
+        restarted.write(restored)
+    assert restarted.steps() == [6, 7]
+    assert SnapshotFiles(tmp_path, 0, {"model": "another"}).read(7) is None  # another model's files are not loaded
 
 
 def test_snapshots_are_kept_to_reach_behind_the_lookback_and_their_buffers_reused():

@@ -133,7 +133,7 @@ class StepReporter:
         self.step_end = time.perf_counter()
         self.busy_s: list[float] = []
         self.preempt_signals: dict[int, int] = {}  # rank -> the signal that asked it to preempt, at the last step
-        self.snapshot_copy_s = math.nan  # the slowest rank's last snapshot copy, in seconds (NaN: not every rank has one)
+        self.snapshot_cost_s = math.nan  # the slowest rank's last snapshot cost, in seconds (NaN: not every rank has one)
         self.save_failures_in_row = 0  # checkpoint saves failed in a row, as the rank that saw most reports it
         self.allocated_peaks = torch.full((world,), math.nan, dtype=torch.float64)  # per rank, over the profiled steps
 
@@ -142,14 +142,14 @@ class StepReporter:
         self.step_end = time.perf_counter()
 
     def report(
-        self, numbers: StepNumbers, preempt_signal: int = 0, snapshot_copy_s: float = math.nan, save_failures: int = 0
+        self, numbers: StepNumbers, preempt_signal: int = 0, snapshot_cost_s: float = math.nan, save_failures: int = 0
     ) -> tuple[dict, list[int]]:
         """Returns the agreed step row and the ranks that injected a fault this step (the same on every
         rank). Where communication was measured, also sets `busy_s`: per rank, step time minus
         communication time (NaN for a rank that measured none). `preempt_signal`: the signal that asked
         this rank to preempt the run (0: none); every rank's is in `preempt_signals` (rank -> signal).
-        `snapshot_copy_s`: how long this rank's last in-memory snapshot took to copy (NaN: none yet); the
-        slowest rank's is in `snapshot_copy_s`, an agreed value the snapshot interval is measured from.
+        `snapshot_cost_s`: what this rank's last in-memory snapshot took from training (NaN: none yet); the
+        slowest rank's is in `snapshot_cost_s`, an agreed value the snapshot interval is measured from.
         `save_failures`: the checkpoint saves this rank saw fail in a row; the most of any rank is in
         `save_failures_in_row`."""
         now = time.perf_counter()
@@ -166,13 +166,13 @@ class StepReporter:
             time.time(),
             math.nan if numbers.allocated_peak is None else float(numbers.allocated_peak),
             float(preempt_signal),
-            snapshot_copy_s,
+            snapshot_cost_s,
             float(save_failures),
         ]
         gathered = gather_rows(mine, self.device, self.world).T
-        has_loss, losses, step_times, comm_times, data_times, mems, faults, clocks, allocated, preempts, copies, failures = gathered
+        has_loss, losses, step_times, comm_times, data_times, mems, faults, clocks, allocated, preempts, snapshot_costs, failures = gathered
         self.preempt_signals = {rank: int(sig) for rank, sig in enumerate(preempts.tolist()) if sig}
-        self.snapshot_copy_s = float(copies.max()) if not torch.isnan(copies).any() else math.nan
+        self.snapshot_cost_s = float(snapshot_costs.max()) if not torch.isnan(snapshot_costs).any() else math.nan
         self.save_failures_in_row = int(failures.max())
         self._keep_allocated_peaks(allocated)
         slowest = float(step_times.max())  # a synchronous step is as slow as its slowest rank

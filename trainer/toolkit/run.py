@@ -240,8 +240,10 @@ class KeelRun:
         self.faults.end_step()
         self.faults.before_collective()
         checkpointer = self.checkpointer
-        copy_s, save_failures = (checkpointer.snapshots.copy_s, checkpointer.failed_in_row) if checkpointer else (math.nan, 0)
-        row, fault_ranks = self.reporter.report(numbers, preemption.notice.requested, copy_s, save_failures)
+        snapshot_cost_s, save_failures = (
+            (checkpointer.snapshots.last_cost_s(), checkpointer.failed_in_row) if checkpointer else (math.nan, 0)
+        )
+        row, fault_ranks = self.reporter.report(numbers, preemption.notice.requested, snapshot_cost_s, save_failures)
         self.watchdog.step_finished(row["step_time_s"])
         if self.watchdog.collective_timeout_s() != self.tight_timeout_s:
             self.tight_timeout_s = self.watchdog.collective_timeout_s()
@@ -319,7 +321,7 @@ class KeelRun:
     def snapshot_if_due(self, step_time_s: float) -> None:
         """Takes an in-memory snapshot of the state after this step when one is due (keel.trainer.checkpoint.snapshots)."""
         snapshots = self.checkpointer.snapshots
-        if snapshots.due(self.step, step_time_s, self.reporter.snapshot_copy_s):
+        if snapshots.due(self.step, step_time_s, self.reporter.snapshot_cost_s):
             snapshots.take(self.step, self._train_state())
 
     def _train_state(self) -> dict:
