@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -48,12 +47,12 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """A test marked `exclusive` runs (its fixtures too) while no other test does: it holds the suite's lock
-    alone, every other test holds it shared. Only under xdist, whose workers share a run id."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:
+    alone, every other test holds it shared. Only under xdist: the lock is in the folder its workers'
+    temporary folders share (pytest-N/, which pytest's retention cleans up)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
         yield
         return
-    with open(Path(tempfile.gettempdir()) / f"keel-tests-{run}.lock", "a") as lock:
+    with open(item.config._tmp_path_factory.getbasetemp().parent / "exclusive.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX if item.get_closest_marker("exclusive") else fcntl.LOCK_SH)
         yield
 
