@@ -68,10 +68,11 @@ class FaultPlan:
     """The faults of one run, as seen by one rank. The trainer calls `begin_step` and the hook points; at
     each, the plan calls the hook that each due fault's kind names for it (keel.chaos.kinds)."""
 
-    def __init__(self, faults: list[Fault], rank: int, run_dir: str | Path | None = None):
+    def __init__(self, faults: list[Fault], rank: int, run_dir: str | Path | None = None, snapshot_folder: Path | None = None):
         self.faults = list(faults)
         self.rank = rank
         self.run_dir = Path(run_dir) if run_dir else None
+        self.snapshot_folder = snapshot_folder  # where the run's snapshot files are (None: none)
         self.step = 0
         self.fired: list[Fault] = []  # this step's injected faults, for the trainer to record
         self._spent: set[tuple[Fault, int]] = set()
@@ -310,11 +311,15 @@ def late_collective(plan: FaultPlan, fault: Fault) -> None:
 
 
 def ckpt_corrupt(plan: FaultPlan, fault: Fault, start: StepStart) -> None:
-    """Rank 0 waits for its save in flight, then damages the newest checkpoint. Its marker, written once the
-    bytes are flipped, is what this step's faults that end the process wait for."""
+    """Rank 0 waits for its save in flight, then damages the newest checkpoint, and removes the records of
+    the run's snapshot files: a restart would resume from those, newer, and never read the damaged
+    checkpoint (as when a node is lost with its memory). Its marker, written once that is done, is what this
+    step's faults that end the process wait for."""
     if plan.rank == 0:
         start.settle_checkpoints()
-        plan.fire(fault, _flip_newest_checkpoint(plan.run_dir))
+        flipped = _flip_newest_checkpoint(plan.run_dir)
+        forgotten = [p.unlink(missing_ok=True) for p in plan.snapshot_folder.glob("rank*-step*.pt")] if plan.snapshot_folder else []
+        plan.fire(fault, f"{flipped}; {len(forgotten)} snapshot records removed")
     plan.spend(fault)
 
 

@@ -80,7 +80,7 @@ class KeelRun:
         setup_logging(self.run_dir, rank)
         self.restart_count, self.resuming = agreed_start(cfg.run.resume, world, device)
         self.watchdog = Watchdog(cfg.watchdog, self.run_dir, rank)
-        self.faults = FaultPlan(fault_plan(cfg, world), rank, self.run_dir)
+        self.faults = FaultPlan(fault_plan(cfg, world), rank, self.run_dir, cfg.checkpoint.snapshot_folder(self.run_dir))
         self.step, self.exit_code = 0, EXIT_OK
         self.recorder = build_recorder(cfg, self.run_dir) if rank == 0 else None
         self.incidents = Incidents(self.recorder, cfg.run.run_id)
