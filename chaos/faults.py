@@ -318,8 +318,7 @@ def ckpt_corrupt(plan: FaultPlan, fault: Fault, start: StepStart) -> None:
     if plan.rank == 0:
         start.settle_checkpoints()
         flipped = _flip_newest_checkpoint(plan.run_dir)
-        forgotten = [p.unlink(missing_ok=True) for p in plan.snapshot_folder.glob("rank*-step*.pt")] if plan.snapshot_folder else []
-        plan.fire(fault, f"{flipped}; {len(forgotten)} snapshot records removed")
+        plan.fire(fault, f"{flipped}; {_remove_snapshot_records(plan.snapshot_folder)} snapshot records removed")
     plan.spend(fault)
 
 
@@ -420,6 +419,14 @@ def _kill_all(tree: list[int]) -> None:
     for pid in [p for p in tree if p != me] + [me]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def _remove_snapshot_records(folder: Path | None) -> int:
+    """Removes every rank's snapshot records in `folder` (their slots stay, unreadable without them); returns how many."""
+    records = list(folder.glob("rank*-step*.pt")) if folder else []
+    for record in records:
+        record.unlink(missing_ok=True)
+    return len(records)
 
 
 def _flip_newest_checkpoint(run_dir: Path) -> str:
