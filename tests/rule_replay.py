@@ -87,23 +87,43 @@ def promtool_test_file(rules: Path, series: list[dict], compression: float, chec
     return yaml.safe_dump(doc, sort_keys=False, width=1 << 20)
 
 
-def lowest_held_throughput(step_times: np.ndarray, start: float, window_s: float, baseline_s: float, for_s: float, every_s: float) -> float:
+def prometheus_rate(times: np.ndarray, counts: np.ndarray, at: float, window: float) -> float | None:
+    """rate(counter[window]) at `at` as Prometheus 2.x computes it (promql/functions.go, extrapolatedRate):
+    the samples in [at - window, at], their increase extrapolated to the window's edges where the first and
+    last samples lie within 1.1 sample intervals of them (else half an interval), and no further back than
+    the counter's zero. None with fewer than two samples, as Prometheus gives no result."""
+    inside = (times >= at - window) & (times <= at)
+    if np.count_nonzero(inside) < 2:
+        return None
+    t, c = times[inside], counts[inside]
+    increase, sampled = c[-1] - c[0], t[-1] - t[0]
+    to_start, to_end, interval = t[0] - (at - window), at - t[-1], sampled / (len(t) - 1)
+    if increase > 0 and c[0] >= 0:
+        to_start = min(to_start, sampled * c[0] / increase)
+    reach = 1.1 * interval
+    extrapolated = sampled + (to_start if to_start < reach else interval / 2) + (to_end if to_end < reach else interval / 2)
+    return increase * extrapolated / sampled / window
+
+
+def lowest_held_throughput(
+    step_times: np.ndarray, scrape_times: np.ndarray, start: float, window_s: float, baseline_s: float, for_s: float, every_s: float
+) -> float:
     """The throughput rule computed from a run's own record of its steps (when each ended), in the run's
-    seconds: the lowest ratio of the steps a second over the last `window_s` to the rate over the
-    `baseline_s` that ended `baseline_s` ago that held for `for_s`, evaluated every `every_s` from `start`
-    (the replay's first scrape: its evaluations fall on the same instants). NaN when the run is too short
-    for a baseline."""
-    times = np.sort(step_times) - start
-
-    # As rate() does: the steps in the window over the window's whole length. A window that began before the
-    # run holds its steps only (rate() extrapolates a counter back no further than its zero), so a baseline
-    # the run covers half of reads half its rate.
-    def rate(since: float, until: float) -> float:
-        return np.count_nonzero((times > since) & (times <= until)) / (until - since)
-
-    moments = np.arange(every_s * math.ceil((baseline_s + window_s) / every_s), times[-1], every_s)
-    ratios = np.array([rate(t - window_s, t) / rate(t - 2 * baseline_s, t - baseline_s) for t in moments])
-    held = math.ceil(for_s / every_s) + 1
-    if len(ratios) < held:
-        return math.nan
-    return float(min(ratios[i : i + held].max() for i in range(len(ratios) - held + 1)))
+    seconds: the lowest ratio of rate() over the last `window_s` to rate() over the `baseline_s` that ended
+    `baseline_s` ago that held for `for_s`, evaluated every `every_s` from `start` (the replay's first scrape:
+    its evaluations fall on the same instants). The counter's samples are the steps the record holds at each
+    scrape, placed where the replay places that scrape (on the second), so that only what the exporter
+    showed can differ from promtool's reading. NaN when no stretch held that long."""
+    steps = np.sort(step_times)
+    times = np.round(np.sort(scrape_times) - start) * SCRAPE_INTERVAL_S
+    counts = np.searchsorted(steps, np.sort(scrape_times), side="right").astype(float)
+    moments = np.arange(0.0, times[-1] + baseline_s + window_s, every_s)
+    ratios = np.full(len(moments), np.nan)  # NaN where the rule has no result: the alert resets
+    for i, t in enumerate(moments):
+        now, before = prometheus_rate(times, counts, t, window_s), prometheus_rate(times, counts, t - baseline_s, baseline_s)
+        if now is not None and before:
+            ratios[i] = now / before
+    held = math.ceil(for_s / every_s) + 1  # pending at its first evaluation, firing `for_s` later
+    stretches = np.array([ratios[i : i + held].max() for i in range(len(ratios) - held + 1)])
+    stretches = stretches[~np.isnan(stretches)]
+    return float(stretches.min()) if len(stretches) else math.nan
