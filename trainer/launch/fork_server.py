@@ -11,7 +11,18 @@ from __future__ import annotations
 
 import signal
 
-import keel.trainer.train  # noqa: F401  (what every worker is forked with)
+# What every worker is forked with: the trainer, and what it would otherwise import after the fork, at each
+# start and restart of eight workers at once (found by comparing sys.modules here and in a worker after
+# its steps). Imported once here: a crash in the main job is back to training in 1.4-1.6 s on 2 cores, was
+# 5.0-5.9 s (bench/recovery_times.py --only crash, the main job's flags).
+import numpy.random  # noqa: F401  (the data's shuffles)
+import pandas  # noqa: F401  (rank 0: goodput and the metrics it publishes)
+import torch._dynamo  # noqa: F401  (initialising a parameter on the meta device imports it: 1.2 s a process)
+import torch.distributed.checkpoint  # noqa: F401  (durable checkpoints, fsspec with them)
+import torch.distributed.pipelining  # noqa: F401  (pp > 1)
+import torch.distributed.run  # noqa: F401  (the launcher's flags, parsed by every worker)
+
+import keel.trainer.train  # noqa: F401
 from keel.trainer.launch.lifetime import end_with_parent
 from keel.trainer.preemption import PREEMPT_SIGNALS
 

@@ -262,8 +262,8 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def build_schedule(cfg: JobConfig, parts: list[Transformer], layout: Layout, device: torch.device, last_stage_loss):
     """A torch.distributed.pipelining schedule over this rank's stages. Gradients are scaled by
     1/microbatches (scale_grads) so the loss matches the mean over the whole batch."""
-    # Imported here, by pipelined runs only: torch.distributed.pipelining costs every process that imports
-    # it 0.6 s of CPU at start (and at each restart).
+    # Imported here, by pipelined runs only: torch.distributed.pipelining costs a process 0.6 s of CPU to
+    # import (keel train's workers are forked with it imported: keel.trainer.launch.fork_server).
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 
