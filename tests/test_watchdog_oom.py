@@ -76,7 +76,7 @@ def test_a_step_is_allowed_a_multiple_of_the_median_step_never_less_than_the_flo
 def test_new_settings_are_checked_in_one_line(override, message):
     with pytest.raises(ConfigError, match=message):
         validate(load_config("tiny", [override]))
-    assert RecoveryConfig().oom_retry_steps == 100 and WatchdogConfig().floor_s == 10.0
+    assert RecoveryConfig().oom_retry_steps == 20 and WatchdogConfig().floor_s == 10.0
 
 
 def test_a_hang_is_caught_within_the_floor_by_default(tmp_path):
