@@ -407,6 +407,7 @@ class Checkpointer:
         state["rng"] = {key: value for key, value in state["rng"].items() if f"rng.{key}" in saved}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS)
+        self.snapshots.forget_live_tensors()
         if f"rank{self.rank}" in state["rng"]:
             torch.set_rng_state(state["rng"][f"rank{self.rank}"])
         if f"cuda_rank{self.rank}" in state["rng"]:

@@ -21,27 +21,34 @@ torch.load(weights_only=True).
 
 How often is measured, not guessed: every rank's snapshot cost is agreed each step (StepReporter), and the
 interval is the smallest number of steps that keeps the snapshots under `checkpoint.snapshot_cost` of the
-step time. The cost is what a snapshot takes from training: the step's time in `take` and waiting for
-the copy, and on a GPU the processor time the file thread spent (time.thread_time). Not a thread's
-wall-clock time: on cores shared with the step (8 ranks on 2 cores) a copy and file of 10-15 ms of work
-took 190 ms of wall time while the scheduler ran the step, which made snapshots 14 times rarer than
-their cost allows. Enough snapshots are kept to reach behind the first bad step a verdict can name.
+step time. The cost is what a snapshot takes from training. On a GPU: the step's time in `take` and
+waiting for the copy, and the processor time the file thread spent (time.thread_time). On a CPU: the
+processor time `take` spent, times the training thread's share of waiting for a core (Linux's
+schedstat: 1 + time runnable but waiting / time running, over recent steps; 1 on cores of its own, about
+4 for 8 ranks on 2 cores): what that work delays the step by on those cores. Not the wall-clock time of
+`take` itself: a few milliseconds of work among 8 ranks on 2 cores read 27-66 ms whenever the scheduler
+ran another rank meanwhile, and the slowest rank's reading set the interval. Enough snapshots are kept to reach behind the first bad step a verdict
+can name.
 """
 
 from __future__ import annotations
 
 import copy
+import fcntl
 import json
 import logging
 import math
 import os
 import random
+import shutil
 import statistics
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
@@ -67,6 +74,16 @@ class Snapshot:
     train_state: dict
     random_state: dict
     scheduler_state: dict | None
+
+
+def _thread_schedstat() -> tuple[int, int] | None:
+    """(nanoseconds this thread has run, nanoseconds it has waited runnable for a core), from Linux's
+    /proc/thread-self/schedstat; None where there is none."""
+    try:
+        running, waiting, _ = Path("/proc/thread-self/schedstat").read_text().split()
+    except (OSError, ValueError):
+        return None
+    return int(running), int(waiting)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -105,6 +122,9 @@ class Snapshots:
         self._cuda = torch.cuda.is_available()
         self._stream = torch.cuda.Stream() if self._cuda else None
         self._step_times: deque[float] = deque(maxlen=_STEP_TIMES)
+        self._slowdowns: deque[float] = deque(maxlen=_STEP_TIMES)  # the training thread's wait for a core, per step
+        self._schedstat: tuple[int, int] | None = _thread_schedstat()  # at the last `due`
+        self._live: tuple[list[weakref.ref], list[torch.Tensor], list[tuple[int, str]]] | None = None  # live_tensors' shards
         self._logged = 0  # the interval last logged
 
     @property
@@ -118,18 +138,29 @@ class Snapshots:
 
     def live_tensors(self) -> tuple[list[torch.Tensor], list[tuple[int, str]], dict[tuple[int, str], object]]:
         """(the tensors a snapshot copies: parameters, buffers, then the optimizer's state tensors; the
-        (parameter index, key) of each optimizer tensor; the optimizer state's other values)."""
-        tensors = [_local(p.detach()) for p in self.model.parameters()] + [_local(b) for b in self.model.buffers()]
-        keys, values = [], {}
+        (parameter index, key) of each optimizer tensor; the optimizer state's other values).
+
+        A DTensor's local shard costs tens of microseconds to reach (half a snapshot's processor time for
+        400 tensors), so the shards of the last call are kept while the same tensor objects are live:
+        training updates them in place, and a load that replaces them (a checkpoint's optimizer state)
+        changes the objects (and calls `forget_live_tensors`, so that the old ones are not held meanwhile)."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        live, keys, values = [*self.model.parameters(), *self.model.buffers()], [], {}
         for index, param in enumerate(params):
             for key, value in sorted(self.optimizer.state.get(param, {}).items()):
                 if isinstance(value, torch.Tensor):
                     keys.append((index, key))
-                    tensors.append(_local(value))
+                    live.append(value)
                 else:
                     values[(index, key)] = copy.deepcopy(value)
-        return tensors, keys, values
+        cached = self._live
+        if cached is None or cached[2] != keys or len(cached[0]) != len(live) or any(r() is not t for r, t in zip(cached[0], live)):
+            cached = self._live = ([weakref.ref(t) for t in live], [_local(t.detach()) for t in live], keys)
+        return list(cached[1]), keys, values
+
+    def forget_live_tensors(self) -> None:
+        """After a load that replaced the model's or the optimizer's tensors: the shards kept of the old ones go."""
+        self._live = None
 
     # -- taking -----------------------------------------------------------------------------------
 
@@ -140,6 +171,11 @@ class Snapshots:
             return False
         if math.isfinite(step_time_s):
             self._step_times.append(step_time_s)
+        schedstat = _thread_schedstat()
+        if schedstat is not None and self._schedstat is not None and schedstat[0] > self._schedstat[0]:
+            running, waiting = (now - before for now, before in zip(schedstat, self._schedstat))
+            self._slowdowns.append(1 + waiting / running)
+        self._schedstat = schedstat
         if not self.fixed_every and math.isfinite(cost_s) and self._step_times:
             budget = self.cost * statistics.median(self._step_times)
             self.every = max(1, math.ceil(cost_s / budget))
@@ -157,7 +193,7 @@ class Snapshots:
         if self._writing is not None:  # its buffers may be the ones reused now
             self._writing.result()
         self.last_cost_s()  # the previous snapshot's, before its counts start again
-        started = time.perf_counter()
+        started, processor = time.perf_counter(), time.thread_time()
         tensors, keys, values = self.live_tensors()
         snapshot = self._reuse_or_allocate(tensors)
         snapshot.step, snapshot.optimizer_keys, snapshot.optimizer_values = step, keys, values
@@ -181,7 +217,8 @@ class Snapshots:
                 self.files.write(snapshot)
         self._step_s = time.perf_counter() - started  # the step's own time in here; before_update adds any wait
         if not self._cuda:
-            self._cost_s = self._step_s
+            slowdown = statistics.median(self._slowdowns) if self._slowdowns else 1.0
+            self._cost_s = (time.thread_time() - processor) * slowdown
 
     def last_cost_s(self) -> float:
         """What this rank's newest finished snapshot took from training, in seconds (NaN until one finished):
@@ -310,13 +347,23 @@ class SnapshotFiles:
     weights_only=True). A copy into a mapped slot took 1.9 ms of processor time for a 5 MB state in 300
     tensors, torch.save of the same tensors 19-27 ms. The record is renamed into place after its slot is
     written, and removed before its slot is written again, so a record named by step always has its tensors
-    whole."""
+    whole.
+
+    A tmpfs is memory, and a run killed with SIGKILL cannot remove its folder. So every process using a folder
+    holds a shared lock on its ALIVE file, and the first rank of each node, when it starts, removes the
+    folders of other runs that nobody holds and nothing has written to for ABANDONED_S (`sweep_abandoned`):
+    a run between two worker groups (a restart) holds no lock for a second or two, never for minutes."""
 
     KEEP = 2  # a rank killed while writing one still has the one before, which its peers have too
     ALIGN = 64  # each tensor starts at a multiple of this many bytes in its slot
+    ALIVE = ".alive"
+    ABANDONED_S = 600.0
 
     def __init__(self, folder: Path, rank: int, identity: dict):
         self.folder, self.rank = folder, rank
+        self._alive = _hold_shared(folder / self.ALIVE)  # open for this object's life: the folder is in use
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            sweep_abandoned(folder.parent, folder, self.ABANDONED_S)
         self.identity = identity  # the model, data, layout and world the files belong to: others are not loaded
         self.failed = False  # a write failed (a full tmpfs): memory only from then on
         self._slots: dict[int, torch.Tensor] = {}  # slot number: its file, mapped (bytes)
@@ -462,6 +509,50 @@ class SnapshotFiles:
             self._views.clear()
             for slot in range(self.KEEP):
                 self._slot_path(slot).unlink(missing_ok=True)
+
+
+def _hold_shared(path: Path) -> IO[bytes] | None:
+    """The file at `path`, made if need be, open and share-locked (flock); None where it cannot be (the write
+    that fails later says why)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = path.open("ab")
+        fcntl.flock(handle, fcntl.LOCK_SH)
+    except OSError:
+        return None
+    return handle
+
+
+def sweep_abandoned(parent: Path, own: Path, idle_s: float) -> None:
+    """Removes the snapshot folders in `parent` (other than `own`) whose ALIVE file nobody holds a lock on and
+    in which nothing changed for `idle_s` seconds: what runs killed without a chance to clean up left."""
+    removed, freed = 0, 0
+    for folder in parent.glob(own.name.rsplit("-", 1)[0] + "-*"):
+        if folder == own or not folder.is_dir() or _in_use(folder / SnapshotFiles.ALIVE):
+            continue
+        try:
+            files = [p.stat() for p in folder.iterdir()]
+            newest = max([f.st_mtime for f in files] + [folder.stat().st_mtime])
+        except OSError:
+            continue
+        if time.time() - newest >= idle_s:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed, freed = removed + 1, freed + sum(f.st_blocks * 512 for f in files)
+    if removed:
+        log.info(
+            "snapshots: removed %d folders in %s (%.0f MB) left by runs that ended without removing them", removed, parent, freed / 2**20
+        )
+
+
+def _in_use(alive: Path) -> bool:
+    try:
+        with alive.open("rb") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except FileNotFoundError:
+        return False
+    except OSError:  # held (or unreadable: leave it)
+        return True
+    return False
 
 
 def _tensor_at(data: torch.Tensor, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
