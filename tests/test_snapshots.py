@@ -164,11 +164,9 @@ def test_a_snapshot_copies_the_tensors_a_load_put_in_place_of_the_old():
     optimizer.load_state_dict(loaded)  # new tensors in the optimizer's state
     snapshots.take(3, {"step": 3})
     snapshots.before_update()
-    moments = [
-        t
-        for t, (_, key) in zip(snapshots.kept[-1].tensors[-len(snapshots.kept[-1].optimizer_keys) :], snapshots.kept[-1].optimizer_keys)
-        if key == "exp_avg"
-    ]
+    newest = snapshots.kept[-1]
+    optimizer_tensors = newest.tensors[len(newest.tensors) - len(newest.optimizer_keys) :]
+    moments = [t for t, (_, key) in zip(optimizer_tensors, newest.optimizer_keys) if key == "exp_avg"]
     assert moments and all(bool((m == 7.0).all()) for m in moments)
 
 

@@ -27,8 +27,8 @@ processor time `take` spent, times the training thread's share of waiting for a 
 schedstat: 1 + time runnable but waiting / time running, over recent steps; 1 on cores of its own, about
 4 for 8 ranks on 2 cores): what that work delays the step by on those cores. Not the wall-clock time of
 `take` itself: a few milliseconds of work among 8 ranks on 2 cores read 27-66 ms whenever the scheduler
-ran another rank meanwhile, and the slowest rank's reading set the interval. Enough snapshots are kept to reach behind the first bad step a verdict
-can name.
+ran another rank meanwhile, and the slowest rank's reading set the interval. Enough snapshots are kept
+to reach behind the first bad step a verdict can name.
 """
 
 from __future__ import annotations
@@ -84,6 +84,10 @@ def _thread_schedstat() -> tuple[int, int] | None:
     except (OSError, ValueError):
         return None
     return int(running), int(waiting)
+
+
+def _same_objects(refs: list[weakref.ref], tensors: list[torch.Tensor]) -> bool:
+    return len(refs) == len(tensors) and all(ref() is t for ref, t in zip(refs, tensors))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -154,7 +158,7 @@ class Snapshots:
                 else:
                     values[(index, key)] = copy.deepcopy(value)
         cached = self._live
-        if cached is None or cached[2] != keys or len(cached[0]) != len(live) or any(r() is not t for r, t in zip(cached[0], live)):
+        if cached is None or cached[2] != keys or not _same_objects(cached[0], live):
             cached = self._live = ([weakref.ref(t) for t in live], [_local(t.detach()) for t in live], keys)
         return list(cached[1]), keys, values
 
